@@ -1,0 +1,115 @@
+"""`rz`: the command line.
+
+    rz train RECIPE [key.path=value ...]     run a recipe (torchrun is started for tp*dp > 1)
+    rz validate RECIPE [overrides]           check a recipe and print the resolved values
+    rz make-model RECIPE --out DIR           tokenizer + tiny HF checkpoint + warm start
+    rz plot RUN_DIR                          redraw the PNG plots from metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_rz.recipe import RecipeError, load_recipe
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipes/*.yaml")
+    p.add_argument("overrides", nargs="*", help="key.path=value, e.g. algo.lr=3e-5 schedule.steps=10")
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"reinforce-zero: {summary['recipe']} ({summary['steps']} updates)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    t.add_row("held-out reward before", fmt(summary["eval_reward_before"]))
+    t.add_row("held-out reward after", fmt(summary["eval_reward_after"]))
+    t.add_row("train reward first / last", f"{fmt(summary['train_reward_first'])} / {fmt(summary['train_reward_last'])}")
+    t.add_row("max |dlogp| vLLM vs learner", fmt(summary["mismatch_max_abs_dlogp"]))
+    t.add_row("mean |dlogp|", fmt(summary["mismatch_mean_abs_dlogp"]))
+    t.add_row("tokens bitwise equal", f"{100 * summary['mismatch_frac_bitwise']:.1f}%")
+    t.add_row("D3 (mean over updates)", fmt(summary["d3_mean"]))
+    for k, v in summary["time_per_step"].items():
+        t.add_row(f"time/step {k} (s)", f"{v:.3f}")
+    t.add_row("run dir", summary["run_dir"])
+    Console().print(t)
+
+
+def cmd_train(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    world = recipe.parallel.world_size
+    if world > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "megatron_rz.cli", "train", args.recipe, *args.overrides]
+        print(f"[rz] launching {world} learner ranks: {' '.join(cmd)}", flush=True)
+        return subprocess.call(cmd)
+    from megatron_rz.trainer import train
+
+    summary = train(recipe)
+    if summary:
+        _print_summary(summary)
+        print(json.dumps(summary))
+    return 0
+
+
+def cmd_validate(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    import yaml
+
+    print(yaml.safe_dump(recipe.model_dump(), sort_keys=False))
+    print(f"ok: {args.recipe} is valid (learner world size {recipe.parallel.world_size})")
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    from megatron_rz.tiny_models import warm_start
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    info = warm_start(recipe, Path(args.out), seed=recipe.schedule.seed)
+    print(json.dumps({"out": args.out, **info}))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from megatron_rz.metrics import plot_run
+
+    for p in plot_run(Path(args.run_dir)):
+        print(p)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rz", description="reinforce-zero: stable async RL on MoE models")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("train", help="run a recipe end to end")
+    _recipe_args(p)
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("validate", help="validate a recipe and print it resolved")
+    _recipe_args(p)
+    p.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("make-model", help="make the recipe's tiny checkpoint (tokenizer, init, warm start)")
+    _recipe_args(p)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_make_model)
+    p = sub.add_parser("plot", help="redraw plots from a run dir's metrics.jsonl")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_plot)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except RecipeError as e:
+        print(f"rz: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

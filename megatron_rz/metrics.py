@@ -1,0 +1,97 @@
+"""Metrics: one JSON line per update, wandb (offline by default) and PNG plots of the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_rz.recipe import Recipe
+
+PLOTS = {
+    "reward.png": [("reward_mean", "train reward (mean)"), ("eval_reward", "held-out reward (greedy)")],
+    "kl.png": [("kl_k1", "KL k1 (rollout || learner)"), ("d3", "D3 = mean(w - 1 - log w)")],
+    "mismatch.png": [("max_abs_dlogp", "max |dlogp| rollout vs learner"), ("mean_abs_dlogp", "mean |dlogp|")],
+    "step_time.png": [("time_rollout", "rollout"), ("time_learner", "learner"), ("time_sync", "weight sync")],
+}
+
+
+class MetricsLogger:
+    def __init__(self, recipe: Recipe, run_dir: Path, resume: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self.run = None
+        if recipe.logging.wandb and recipe.logging.wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(
+                project=recipe.logging.wandb_project,
+                name=recipe.name,
+                dir=str(run_dir),
+                mode=recipe.logging.wandb_mode,
+                config=recipe.model_dump(),
+                resume="allow" if resume else None,
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write the PNG plots for a run directory from its metrics.jsonl. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    out = []
+    for fname, series in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        drew = False
+        for key, label in series:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, ms=3, label=label)
+                drew = True
+        if not drew:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("update")
+        ax.set_title(fname.removesuffix(".png").replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(run_dir) / "plots" / fname
+        path.parent.mkdir(exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out

@@ -1,0 +1,271 @@
+"""The synchronous REINFORCE Zero loop: rollout -> learner update -> weight sync, every step.
+
+Every learner rank runs this function (torchrun for tp/ep/dp > 1). Global rank 0 also owns the
+vLLM rollout engine, the task and the logs; the batch it builds is broadcast to the other ranks,
+and the new weights flow back to it through the collective `export_hf_weights()` stream.
+
+    learner --weights (HF names, version)--> vLLM engine --samples (ids, logprobs, version)--> learner
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rz.diagnostics import RunningRatio, mismatch_stats
+from megatron_rz.losses import group_advantages, make_loss_fn
+from megatron_rz.metrics import MetricsLogger, plot_run
+from megatron_rz.recipe import Recipe, dump_recipe
+from megatron_rz.tasks import Problem, make_task
+
+
+@dataclass
+class Batch:
+    """Right-padded learner batch built from rollout samples (what rank 0 broadcasts)."""
+
+    input_ids: torch.Tensor  # [B, S] long
+    loss_mask: torch.Tensor  # [B, S] float, 1 on response tokens
+    old_logprobs: torch.Tensor  # [B, S] float32, rollout logprob of token t at position t
+    rewards: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B]
+    versions: torch.Tensor  # [B, S] long, weight version that produced each response token (-1 elsewhere)
+
+
+def build_batch(samples, pad_id: int) -> Batch:
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    n, S = len(seqs), max(map(len, seqs))
+    ids = torch.full((n, S), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, S), dtype=torch.float32)
+    old = torch.zeros((n, S), dtype=torch.float32)
+    ver = torch.full((n, S), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[i, : p + r] = torch.tensor(seqs[i])
+        mask[i, p : p + r] = 1.0
+        old[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+        ver[i, p : p + r] = torch.tensor(s.versions, dtype=torch.long)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups = torch.tensor([s.group for s in samples])
+    return Batch(ids, mask, old, rewards, group_advantages(rewards, groups), ver)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast(obj):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+class RolloutSide:
+    """Rank 0's half: task, tokenizer, vLLM engine, evaluation."""
+
+    def __init__(self, recipe: Recipe, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        from vllm_bridge.engine import RolloutEngine
+
+        self.recipe = recipe
+        self.task = make_task(recipe.task)
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        r = recipe.rollout
+        self.engine = RolloutEngine(
+            str(model_dir),
+            dtype=recipe.model.dtype,
+            seed=recipe.schedule.seed,
+            max_num_seqs=r.max_num_seqs,
+            kv_cache_gb=r.kv_cache_gb,
+            max_model_len=recipe.model.max_position_embeddings,
+        )
+
+    def encode(self, problems: list[Problem]) -> list[list[int]]:
+        return [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def rollout(self, problems: list[Problem], seed: int):
+        r = self.recipe.rollout
+        samples = self.engine.generate(
+            self.encode(problems),
+            n=r.samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            seed=seed,
+        )
+        for s in samples:
+            s.reward = self.task.reward(problems[s.group], self.decode(s.response_ids))
+        return samples
+
+    def evaluate(self) -> float:
+        """Greedy exact-match accuracy on the task's held-out prompts."""
+        problems = self.task.eval_set()
+        samples = self.engine.generate(
+            self.encode(problems), n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.recipe.rollout.max_new_tokens
+        )
+        return sum(self.task.reward(problems[s.group], self.decode(s.response_ids)) for s in samples) / len(problems)
+
+
+def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
+    """The starting checkpoint: made once per run dir (tokenizer + random init + SFT warm start)."""
+    from megatron_rz.tiny_models import warm_start
+
+    base = run_dir / "base_model"
+    if not (base / "config.json").exists():
+        if _rank() == 0:
+            info = warm_start(recipe, base, seed=recipe.schedule.seed, progress=recipe.logging.progress)
+            print(f"[rz] warm start done: {json.dumps(info)}", flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+    return base
+
+
+def train(recipe: Recipe) -> dict:
+    """Run the recipe; returns the final summary on rank 0 (empty dict elsewhere)."""
+    from tqdm import tqdm
+
+    from megatron_rz.learner import Learner
+    from megatron_rz.model import init_parallel
+
+    run_dir = recipe.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    init_parallel(recipe.parallel, seed=recipe.schedule.seed)
+    base = prepare_base_model(recipe, run_dir)
+    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed)
+    rank0 = _rank() == 0
+    start_step = 0
+    if recipe.checkpoint.load:
+        start_step = learner.load_checkpoint(recipe.checkpoint.load)
+    side = RolloutSide(recipe, base) if rank0 else None
+    if rank0:
+        dump_recipe(recipe, run_dir / "recipe.yaml")
+    if start_step:
+        weights = dict(learner.export_hf_weights())
+        if rank0:
+            side.engine.update_weights(weights.items(), version=learner.version)
+    logger = MetricsLogger(recipe, run_dir, resume=bool(start_step)) if rank0 else None
+    loss_fn = make_loss_fn(recipe.algo.name)
+    rng = random.Random(recipe.schedule.seed * 1000 + start_step)
+    d3_ratio = RunningRatio()
+    times = {"rollout": 0.0, "learner": 0.0, "sync": 0.0}
+
+    eval_before = side.evaluate() if rank0 else None
+    if rank0:
+        logger.log(start_step, {"eval_reward": eval_before})
+    steps = range(start_step, recipe.schedule.steps)
+    bar = tqdm(steps, desc="REINFORCE Zero", disable=not (rank0 and recipe.logging.progress))
+    for step in bar:
+        t0 = time.perf_counter()
+        batch = None
+        if rank0:
+            problems = side.task.sample(rng, recipe.rollout.prompts_per_step)
+            samples = side.rollout(problems, seed=recipe.schedule.seed * 100003 + step)
+            batch = build_batch(samples, side.tok.pad_token_id)
+        batch = _broadcast(batch)
+        t1 = time.perf_counter()
+
+        T = recipe.rollout.temperature
+        # Learner logprobs on the weights that generated the batch: at lag 0 every difference from
+        # the rollout logprobs is kernel mismatch.
+        learner_logp = learner.logprobs(batch.input_ids, temperature=T)
+        stats = mismatch_stats(learner_logp, batch.old_logprobs, batch.loss_mask)
+        out = learner.train_step(
+            batch.input_ids,
+            loss_fn,
+            temperature=T,
+            micro_batch_size=recipe.algo.micro_batch_size,
+            old_logprobs=batch.old_logprobs,
+            advantages=batch.advantages,
+            loss_mask=batch.loss_mask,
+        )
+        t2 = time.perf_counter()
+
+        # The stream is collective (TP/EP gathers): every rank walks it; rank 0 holds the full tensors.
+        weights = dict(learner.export_hf_weights())
+        if rank0:
+            side.engine.update_weights(weights.items(), version=learner.version)
+            r = recipe.rollout
+            if r.verify_sync and (step % r.verify_every == 0 or step == recipe.schedule.steps - 1):
+                side.engine.verify_sync(weights)
+        t3 = time.perf_counter()
+
+        times["rollout"] += t1 - t0
+        times["learner"] += t2 - t1
+        times["sync"] += t3 - t2
+        if rank0:
+            resp_len = batch.loss_mask.sum(dim=1)
+            row = {
+                **stats,
+                **{k: v for k, v in out.items()},
+                "d3_peak_over_median": d3_ratio.add(stats.get("d3", 0.0)),
+                "reward_mean": batch.rewards.mean().item(),
+                "response_len": resp_len.mean().item(),
+                "lag_max": 0,
+                "weight_version": learner.version,
+                "time_rollout": t1 - t0,
+                "time_learner": t2 - t1,
+                "time_sync": t3 - t2,
+                "time_step": t3 - t0,
+            }
+            if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0:
+                row["eval_reward"] = side.evaluate()
+            logger.log(step + 1, row)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
+        every = recipe.checkpoint.every
+        if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
+            learner.save_checkpoint(run_dir / "checkpoints" / f"step_{step + 1:06d}", step=step + 1)
+
+    learner.save_checkpoint(run_dir / "checkpoints" / f"step_{recipe.schedule.steps:06d}", step=recipe.schedule.steps)
+    final_weights = dict(learner.export_hf_weights())
+    if not rank0:
+        return {}
+    export_hf_checkpoint(final_weights.items(), base, run_dir / "hf_final")
+    eval_after = side.evaluate()
+    logger.log(recipe.schedule.steps, {"eval_reward": eval_after})
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "max_abs_dlogp" in r]
+    n = max(1, len(train_rows))
+    summary = {
+        "recipe": recipe.name,
+        "steps": recipe.schedule.steps - start_step,
+        "eval_reward_before": eval_before,
+        "eval_reward_after": eval_after,
+        "train_reward_first": train_rows[0]["reward_mean"] if train_rows else None,
+        "train_reward_last": train_rows[-1]["reward_mean"] if train_rows else None,
+        "mismatch_max_abs_dlogp": max((r["max_abs_dlogp"] for r in train_rows), default=None),
+        "mismatch_mean_abs_dlogp": sum(r["mean_abs_dlogp"] for r in train_rows) / n,
+        "mismatch_frac_bitwise": sum(r["frac_bitwise"] for r in train_rows) / n,
+        "d3_mean": sum(r["d3"] for r in train_rows) / n,
+        "time_per_step": {k: v / n for k, v in times.items()},
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.close()
+    if recipe.logging.plots:
+        plot_run(run_dir)
+    side.engine.close()
+    return summary
+
+
+def export_hf_checkpoint(weights, base: Path, out: Path) -> None:
+    """Write the weight stream as a Hugging Face checkpoint next to the base model's config/tokenizer."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.suffix in (".json", ".txt") and f.name != "warm_start.json":
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in weights}, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,67 @@
+"""Task, tokenizer and the `kernels` package name."""
+
+import random
+import subprocess
+import sys
+
+from megatron_rz.recipe import TaskConfig
+from megatron_rz.tasks import Arithmetic, make_task
+from megatron_rz.tiny_models import train_tokenizer
+
+
+def test_arithmetic_reward_and_held_out_split():
+    t = Arithmetic(digits=2, ops=["+"], eval_prompts=50, seed=1)
+    p = t.sample(random.Random(0), 1)[0]
+    a, b = p.prompt.rstrip("=").split("+")
+    assert p.answer == str(int(a) + int(b))
+    assert t.reward(p, p.answer) == 1.0 and t.reward(p, p.answer + "1") == 0.0 and t.reward(p, " " + p.answer) == 1.0
+    held = {q.prompt for q in t.eval_set()}
+    assert not held & {q.prompt for q in t.sample(random.Random(3), 2000)}
+
+
+def test_user_task_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_task.py").write_text(
+        "from megatron_rz.tasks import Arithmetic\n"
+        "def make(cfg):\n"
+        "    return Arithmetic(digits=1, ops=['*'], eval_prompts=5, seed=cfg.seed)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = make_task(TaskConfig(name="my_task:make"))
+    p = task.eval_set()[0]
+    assert "*" in p.prompt and len(task.eval_set()) == 5
+    a, b = p.prompt.rstrip("=").split("*")
+    assert task.reward(p, str(int(a) * int(b))) == 1.0
+
+
+def test_bad_task_names_fail_clearly():
+    import pytest
+
+    from megatron_rz.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="neither a built-in"):
+        make_task(TaskConfig(name="gsm8k"))
+    with pytest.raises(RecipeError, match="could not be imported"):
+        make_task(TaskConfig(name="no_such_module_xyz:make"))
+
+
+def test_tokenizer_splits_digits_and_round_trips(tmp_path):
+    t = Arithmetic(digits=3, ops=["+", "*"])
+    tok = train_tokenizer(t, 64, tmp_path)
+    ids = tok.encode("123+45=168", add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids] == list("123+45=168")
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "123+45=168"
+    assert max(ids) < 64
+
+
+def test_our_kernels_package_does_not_shadow_huggingface_kernels():
+    # transformers probes for Hugging Face's `kernels` hub package by name; our top-level package
+    # must never be taken for it (it would try to call kernels.get_kernel and fail).
+    code = (
+        "import kernels, transformers.integrations.hub_kernels as hk;"
+        "assert getattr(kernels, '__reinforce_zero__', False);"
+        "from transformers.utils import import_utils as iu;"
+        "print(iu.is_kernels_available())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

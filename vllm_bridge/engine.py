@@ -1,0 +1,474 @@
+"""RolloutEngine: the rollout side of reinforce-zero, a thin layer over vLLM's offline LLM (V1).
+
+* generate(): G samples per prompt with the sampled tokens' *processed* logprobs
+  (logprobs_mode="processed_logprobs": log_softmax(logits / T), after top-p/top-k masking when
+  those are active), so the rollout logprob is the probability the token was really drawn with.
+* score(): vLLM's own logprob of every token of given sequences (prompt logprobs), for weight-sync
+  checks and learner/rollout parity.
+* update_weights(): full HF-named tensors pushed into the running engine in place.
+
+Weight-sync path (why not vLLM's RL API): vLLM 0.32 has LLM.init_weight_transfer_engine /
+start_weight_update / update_weights / finish_weight_update (vllm/entrypoints/rl/) with pluggable
+backends, but every built-in backend (nccl, ipc, ...) is GPU-only, a custom backend needs a
+``weight_transfer_config`` plus a WeightTransferEngine subclass registered in every worker
+process, and its update still ends in the same layerwise reload (so it needs the same CPU MoE
+prepack fix). On one CPU host that buys nothing over a worker extension driven by
+``collective_rpc`` (safetensors bytes per ~64 MB bucket, staged, then one
+``Worker.reload_weights(weights_iterator=...)``), which is what this module does. A GPU
+deployment with a separate trainer should revisit the NCCL backend.
+
+Must not import megatron: the worker extension and plugin run inside vLLM processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_bridge.samples import Sample
+from vllm_bridge.worker_ext import is_readable_name, tensor_checksum
+
+WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+# Environment of a torchrun / SLURM learner process. vLLM's engine core and workers would read
+# these (torch.distributed env:// rendezvous, LOCAL_RANK for the device, ...) and try to join
+# the learner's process group; they are removed while the engine is constructed (the engine-core
+# process inherits the environment at start) and restored afterwards.
+DIST_ENV_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS_SET_BY_TORCHRUN", "DISTRIBUTED_BACKEND",
+)
+
+
+class RolloutEngineError(RuntimeError):
+    """The rollout engine is unusable (engine-core process died, start-up failed, ...)."""
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights do not match what the learner pushed."""
+
+
+@contextlib.contextmanager
+def clean_dist_env(extra: Iterable[str] = ()) -> Iterator[dict[str, str]]:
+    """Temporarily remove the learner's torch.distributed environment from os.environ.
+
+    If this process already has an initialised torch.distributed group, also force vLLM to
+    *spawn* (not fork) its engine-core process: a forked child would inherit the initialised
+    default group and vLLM would skip creating its own world.
+    """
+    removed: dict[str, str] = {}
+    for k in list(DIST_ENV_VARS) + list(extra):
+        if k in os.environ:
+            removed[k] = os.environ.pop(k)
+    mp_key = "VLLM_WORKER_MULTIPROC_METHOD"
+    mp_old = os.environ.get(mp_key)
+    force_spawn = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if force_spawn:
+        os.environ[mp_key] = "spawn"
+    try:
+        yield removed
+    finally:
+        os.environ.update(removed)
+        if force_spawn:
+            if mp_old is None:
+                os.environ.pop(mp_key, None)
+            else:
+                os.environ[mp_key] = mp_old
+
+
+def _is_mla_config(model_dir: str) -> bool:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except Exception:
+        return False
+    return bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3")
+
+
+def _iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in named_tensors:
+        # safetensors needs contiguous CPU tensors that share no storage (tied embeddings).
+        t = t.detach().to("cpu").contiguous().clone()
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class RolloutEngine:
+    """vLLM V1 offline engine for RL rollouts. Use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_num_seqs: int = 256,
+        kv_cache_gb: float = 1.0,
+        max_model_len: int = 256,
+        enforce_eager: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        rpc_timeout_s: float | None = 600.0,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.bucket_bytes = int(bucket_bytes)
+        self.rpc_timeout_s = rpc_timeout_s
+        self._version = 0
+        self._closed = False
+        self.last_sync: dict = {}
+        self.is_mla = _is_mla_config(self.model_dir)
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=int(kv_cache_gb * (1 << 30)),
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            # vLLM 0.32 CPU: a per-request seed with chunked prefill fails ("CPU Generator does
+            # not use offset"); rollouts use per-request seeds, so prefill whole prompts.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, 2048),
+            tensor_parallel_size=1,
+        )
+        if self.is_mla:
+            # vLLM 0.32 CPU bug: the CPU rotary custom op is wrong for 3-D query tensors (MLA):
+            # logprob errors ~0.5. Use the native torch rotary implementation instead.
+            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kwargs.update(engine_kwargs)
+        self.engine_kwargs = kwargs
+
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        with clean_dist_env():
+            try:
+                self.llm = LLM(**kwargs)
+            except Exception as e:  # start-up failure: say so clearly
+                raise RolloutEngineError(
+                    f"vLLM engine failed to start for {self.model_dir!r}: {type(e).__name__}: {e}. "
+                    "Check the checkpoint (config.json/safetensors), the CPU constraints in "
+                    "docs (head_dim in {32,64,80,...}, MLA kv_lora_rank=512/qk_rope_head_dim=64) "
+                    "and the engine kwargs."
+                ) from e
+        self.startup_s = time.perf_counter() - t0
+        tok = self.llm.get_tokenizer()
+        self.eos_token_id = getattr(tok, "eos_token_id", None)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; close() is the supported way
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def close(self) -> None:
+        """Shut the engine down: engine-core process and its workers exit, sockets close."""
+        if self._closed:
+            return
+        self._closed = True
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        # Reap anything still alive (a hung engine core): terminate, then kill.
+        for p in self._engine_processes():
+            with contextlib.suppress(Exception):
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        self.llm = None
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _engine_processes(self) -> list:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return []
+        core = getattr(llm.llm_engine, "engine_core", None)
+        resources = getattr(core, "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        return list(getattr(manager, "processes", []) or [])
+
+    def engine_pids(self) -> list[int]:
+        """PIDs of the engine-core processes (empty for an in-process engine core)."""
+        return [p.pid for p in self._engine_processes() if p.pid is not None]
+
+    def _dead_reason(self) -> str | None:
+        if self._closed or getattr(self, "llm", None) is None:
+            return "the engine was closed"
+        for p in self._engine_processes():
+            if not p.is_alive():
+                return f"the vLLM engine-core process (pid {p.pid}) exited with code {p.exitcode}"
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if getattr(getattr(core, "resources", None), "engine_dead", False):
+            return "vLLM reports the engine core dead (EngineDeadError)"
+        return None
+
+    def _dead_error(self, reason: str) -> RolloutEngineError:
+        return RolloutEngineError(
+            f"RolloutEngine for {self.model_dir!r} is dead: {reason}. It cannot recover: call "
+            "close() and build a new RolloutEngine (then push the current weights with "
+            "update_weights). Look above in the log for the engine core's own error (e.g. out "
+            "of memory / killed by the OOM killer: lower kv_cache_gb or max_num_seqs)."
+        )
+
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        reason = self._dead_reason()
+        if reason is not None:
+            raise self._dead_error(reason)
+        try:
+            yield
+        except RolloutEngineError:
+            raise
+        except Exception as e:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            reason = self._dead_reason()
+            if reason is None and isinstance(e, EngineDeadError):
+                reason = "vLLM raised EngineDeadError"
+            if reason is not None:
+                raise self._dead_error(f"{reason} (during {what})") from e
+            raise
+
+    def _rpc(self, method: str, *args: Any) -> list:
+        with self._guard(f"collective_rpc {method}"):
+            return self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        seed: int | None = None,
+        top_k: int = -1,
+    ) -> list[Sample]:
+        """n samples per prompt, grouped by prompt: result[i*n + j] is sample j of prompt i.
+
+        Stops at the model's EOS (included as the last response token, finish_reason "stop") or
+        after max_new_tokens (finish_reason "length"). With ``seed`` the result is reproducible
+        (prompt i uses seeds seed + i*n .. seed + i*n + n-1).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_ids]
+        params = []
+        for i in range(len(prompts)):
+            params.append(
+                SamplingParams(
+                    n=n,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    max_tokens=max_new_tokens,
+                    logprobs=0,  # the sampled token's logprob only
+                    seed=None if seed is None else int(seed) + i * n,
+                    skip_special_tokens=False,
+                    detokenize=False,
+                )
+            )
+        version = self._version
+        with self._guard("generate"):
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples: list[Sample] = []
+        for i, out in enumerate(outs):
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            if len(comps) != n:
+                raise RolloutEngineError(f"prompt {i}: vLLM returned {len(comps)} samples, wanted {n}")
+            for c in comps:
+                ids = list(c.token_ids)
+                lps = []
+                for tid, d in zip(ids, c.logprobs or []):
+                    lps.append(float(d[tid].logprob))
+                if len(lps) != len(ids):
+                    raise RolloutEngineError(f"prompt {i}: {len(ids)} tokens but {len(lps)} logprobs")
+                samples.append(
+                    Sample(
+                        prompt_ids=list(prompt_ids[i]),
+                        response_ids=ids,
+                        logprobs=lps,
+                        versions=[version] * len(ids),
+                        finish_reason=str(c.finish_reason),
+                        group=i,
+                        index_in_group=c.index,
+                        temperature=temperature,
+                        top_p=top_p,
+                    )
+                )
+        return samples
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float | None]]:
+        """vLLM's own logprob of every token given its prefix: log_softmax(logits / T)[token].
+
+        result[k][0] is None (the first token has no prefix), result[k][t] for t >= 1 is the
+        logprob of sequences[k][t]. Computed with prompt logprobs, which in vLLM 0.32 ignore the
+        request temperature (and logprobs_mode), so temperature is applied by temporarily scaling
+        the model's LogitsProcessor by 1/T in the worker (logits * (1/T), equal to logits / T up
+        to one rounding). Not safe to call concurrently with generate() (it is synchronous here).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if temperature <= 0:
+            raise ValueError("score: temperature must be > 0")
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences]
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        scaled = temperature != 1.0
+        if scaled:
+            self._rpc("rz_set_logit_scale", 1.0 / float(temperature))
+        try:
+            with self._guard("score"):
+                outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            if scaled and self._dead_reason() is None:
+                self._rpc("rz_reset_logit_scale")
+        result: list[list[float | None]] = []
+        for seq, out in zip(sequences, outs):
+            pl = out.prompt_logprobs or []
+            row: list[float | None] = [None]
+            for t in range(1, len(seq)):
+                d = pl[t] if t < len(pl) else None
+                if d is None or int(seq[t]) not in d:
+                    raise RolloutEngineError(f"score: no prompt logprob for position {t}")
+                row.append(float(d[int(seq[t])].logprob))
+            result.append(row)
+        return result
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        verify: bool = False,
+        _reload: bool = True,
+    ) -> dict:
+        """Push full HF-named tensors into the running engine in place and set the version.
+
+        Tensors travel as safetensors bytes in buckets of ~bucket_bytes per RPC and are staged
+        in the worker; one reload applies them all (see worker_ext). The prefix cache is reset
+        (its KV blocks were computed with the old weights). With verify=True the readable
+        parameters are checked afterwards (verify_sync). ``_reload=False`` is a test hook that
+        transfers but never loads (a broken sync) -- verify_sync must catch it.
+        Returns timing info (also kept in ``last_sync``).
+        """
+        from safetensors.torch import save
+
+        t0 = time.perf_counter()
+        check: dict[str, torch.Tensor] = {}
+        n_tensors = n_bytes = n_rpc = 0
+        self._rpc("rz_abort_weights")
+        try:
+            for bucket in _iter_buckets(named_tensors, self.bucket_bytes):
+                if verify:
+                    check.update({k: v for k, v in bucket.items() if is_readable_name(k)})
+                payload = save(bucket)
+                n_tensors += len(bucket)
+                n_bytes += len(payload)
+                self._rpc("rz_stage_weights", payload)
+                n_rpc += 1
+            t1 = time.perf_counter()
+            info = self._rpc("rz_commit_weights", int(version), bool(_reload))[0]
+        except BaseException:
+            if self._dead_reason() is None:
+                with contextlib.suppress(Exception):
+                    self._rpc("rz_abort_weights")
+            raise
+        with self._guard("reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+        self._version = int(version)
+        self.last_sync = {
+            "version": int(version),
+            "num_tensors": n_tensors,
+            "bytes": n_bytes,
+            "rpcs": n_rpc + 1,
+            "transfer_s": t1 - t0,
+            "reload_s": info["reload_s"],
+            "total_s": time.perf_counter() - t0,
+        }
+        if verify:
+            self.verify_sync(check.items())
+            self.last_sync["total_s"] = time.perf_counter() - t0
+        return dict(self.last_sync)
+
+    def engine_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
+        return self._rpc("rz_checksums", names)[0]
+
+    def verify_sync(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, rtol: float = 1e-6, min_checked: int = 1
+    ) -> dict:
+        """Check that the engine's readable parameters equal the learner's tensors.
+
+        Only parameters that stay in checkpoint layout after vLLM's CPU weight processing can be
+        read back (embeddings, norms, router gates, DeepSeek score bias; see worker_ext); other
+        names are ignored. Raises WeightSyncError on any mismatch, or when fewer than
+        ``min_checked`` tensors could be compared (a check that checks nothing is not a check).
+        Returns {"checked": [...], "max_rel_err": float}.
+        """
+        want = {n: t for n, t in named_tensors if is_readable_name(n)}
+        got = self.engine_checksums(sorted(want))
+        checked, bad, max_rel = [], [], 0.0
+        for name, t in want.items():
+            g = got.get(name)
+            if g is None or list(t.shape) != g["shape"]:
+                continue
+            s, ws = tensor_checksum(t.to(getattr(torch, g["dtype"])))
+            scale = float(t.detach().double().abs().sum()) + 1e-12
+            err = max(abs(s - g["sum"]), abs(ws - g["wsum"])) / scale
+            max_rel = max(max_rel, err)
+            checked.append(name)
+            if not math.isfinite(err) or err > rtol:
+                bad.append(f"{name} (rel err {err:.3g})")
+        if bad:
+            raise WeightSyncError(
+                f"engine weights differ from the learner's after sync to version {self._version}: "
+                f"{len(bad)}/{len(checked)} checked tensors mismatch: {', '.join(bad[:8])}. The "
+                "update did not reach the model (wrong names, dropped buckets, reload skipped)."
+            )
+        if len(checked) < min_checked:
+            raise WeightSyncError(
+                f"verify_sync could compare only {len(checked)} tensors (need {min_checked}); "
+                f"names given: {len(want)} readable of those passed"
+            )
+        return {"checked": checked, "max_rel_err": max_rel}

@@ -1,0 +1,141 @@
+"""Worker extension for weight sync: methods mixed into vLLM's Worker class.
+
+vLLM builds its Worker class with ``worker_extension_cls`` as an extra base, so these methods run
+in the worker process (``self`` is the Worker) and are called from the driver with
+``llm.collective_rpc("rz_...", args=(...))``. Runs inside vLLM workers: never import megatron here.
+
+Transport: tensors cannot be pickled as RPC arguments (vLLM 0.32's serializer rejects memoryview),
+so each bucket travels either as safetensors bytes or as the path of a safetensors file written
+by the driver. Buckets are *staged* (kept in worker memory) and applied together by
+``rz_commit_weights`` with one ``Worker.reload_weights(weights_iterator=...)`` call: vLLM's
+layerwise reload processes a layer only when all of its parameters arrived, and a layer whose
+weights are split over two reload calls would be materialised half-empty, so never reload per
+bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+# Parameters that stay readable after vLLM CPU weight processing (plain tensors in checkpoint
+# layout: embeddings, RMSNorm weights, router gates, DeepSeek score bias). Most linear weights
+# are prepacked for oneDNN on CPU and MoE experts for the CPU grouped GEMM: not comparable.
+READABLE_SUFFIXES = (
+    "embed_tokens.weight",
+    "norm.weight",  # input_layernorm, post_attention_layernorm, q_norm, k_norm, kv_a_layernorm, final
+    "layernorm.weight",
+    "mlp.gate.weight",
+    "e_score_correction_bias",
+)
+
+
+def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
+    """Two float64 checksums: the plain sum and a position-weighted sum (catches permutations)."""
+    x = t.detach().reshape(-1).to(torch.float64)
+    w = (torch.arange(x.numel(), dtype=torch.float64) % 1009 + 1.0) / 1009.0
+    return float(x.sum()), float((x * w).sum())
+
+
+def is_readable_name(name: str) -> bool:
+    return name.endswith(READABLE_SUFFIXES)
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's Worker. All state lives in attributes prefixed ``_rz_``."""
+
+    # ---- staging -------------------------------------------------------------------------------
+    def _rz_staged_list(self) -> list[dict[str, torch.Tensor]]:
+        if not hasattr(self, "_rz_staged"):
+            self._rz_staged = []
+        return self._rz_staged
+
+    def rz_stage_weights(self, payload: Any) -> int:
+        """Stage one bucket: ``bytes`` (safetensors serialisation) or ``str`` (safetensors path).
+
+        Returns the number of tensors staged so far.
+        """
+        from safetensors.torch import load, load_file
+
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            tensors = load(bytes(payload))
+        elif isinstance(payload, str):
+            tensors = load_file(payload)
+        else:
+            raise TypeError(f"rz_stage_weights: bytes or path expected, got {type(payload)}")
+        staged = self._rz_staged_list()
+        staged.append(tensors)
+        return sum(len(b) for b in staged)
+
+    def rz_abort_weights(self) -> None:
+        self._rz_staged = []
+
+    def rz_commit_weights(self, version: int, reload: bool = True) -> dict:
+        """Load all staged buckets into the running model in place, then set the version.
+
+        reload=False drops the staged tensors without loading them: only for testing that
+        verification catches a sync that transferred nothing.
+        """
+        staged = self._rz_staged_list()
+        self._rz_staged = []
+        names = [n for b in staged for n in b]
+        t0 = time.perf_counter()
+        if reload and names:
+            device = getattr(self, "device", torch.device("cpu"))
+
+            def weights():
+                for bucket in staged:
+                    for name, t in bucket.items():
+                        yield name, t.to(device)
+
+            # Worker.reload_weights -> vllm.model_executor.model_loader.reload.reload_weights:
+            # layerwise in-place reload (keeps parameter storage, re-runs weight processing).
+            # The vLLM 0.32 CPU MoE prepack bug on reload is fixed by vllm_bridge.vllm_patches.
+            self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        self._rz_version = int(version)
+        return {"num_tensors": len(names), "reload_s": time.perf_counter() - t0, "reloaded": bool(reload)}
+
+    def rz_weight_version(self) -> int:
+        return int(getattr(self, "_rz_version", 0))
+
+    # ---- read back -----------------------------------------------------------------------------
+    def rz_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
+        """Checksums of readable parameters, keyed by vLLM parameter name (= HF name for the
+        readable kinds of Qwen3-MoE / DeepSeek-V3). names=None: every readable parameter."""
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        params.update(dict(model.named_buffers()))
+        wanted = names if names is not None else [n for n in params if is_readable_name(n)]
+        out = {}
+        for n in wanted:
+            p = params.get(n)
+            if p is None:
+                continue
+            s, ws = tensor_checksum(p)
+            out[n] = {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "sum": s, "wsum": ws}
+        return out
+
+    def rz_param_names(self) -> list[str]:
+        return [n for n, _ in self.model_runner.get_model().named_parameters()]
+
+    # ---- scoring helpers -----------------------------------------------------------------------
+    def rz_set_logit_scale(self, factor: float) -> float:
+        """Multiply the model's LogitsProcessor scale by ``factor`` (1/T for score at temperature
+        T; prompt logprobs in vLLM 0.32 ignore the request temperature). Returns the old scale."""
+        lp = self.model_runner.get_model().logits_processor
+        old = float(lp.scale)
+        if not hasattr(self, "_rz_base_logit_scale"):
+            self._rz_base_logit_scale = old
+        lp.scale = self._rz_base_logit_scale * float(factor)
+        return old
+
+    def rz_reset_logit_scale(self) -> None:
+        if hasattr(self, "_rz_base_logit_scale"):
+            self.model_runner.get_model().logits_processor.scale = self._rz_base_logit_scale
+
+    def rz_pid(self) -> int:
+        import os
+
+        return os.getpid()
