@@ -5,8 +5,8 @@ memory layout, thread count or position of the element in its tensor:
 
 * elementwise ``+ - * /``, ``sqrt``, ``exp``, ``log``, ``cos``/``sin`` (float64): IEEE basic ops,
   or transcendental functions whose vectorised and scalar CPU code paths were checked to agree
-  bitwise (see README: ``sigmoid``, ``silu``, ``rsqrt`` and ``softplus`` do NOT agree in fp32 and are
-  never used);
+  bitwise (see README: ``torch.sigmoid``, ``F.silu`` and ``F.softplus`` do NOT agree in fp32 -- up
+  to 1 ulp on ~4% of inputs -- and are never used);
 * exact selections (``max``, ``sort``, ``gather``, masking);
 * :func:`tree_sum`, a reduction whose addition order is fixed by the reduction length alone.
 
@@ -44,18 +44,16 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
         else:
             shape.pop(dim)
         return x.new_zeros(shape)
-    y = x.movedim(dim, 0)
-    while y.shape[0] > 1:
-        m = y.shape[0]
+    y = x
+    while y.shape[dim] > 1:
+        m = y.shape[dim]
         even = m - (m % 2)
-        s = y[0:even:2] + y[1:even:2]
+        pairs = y.narrow(dim, 0, even).unflatten(dim, (even // 2, 2))  # always a view
+        s = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
         if m % 2:
-            s = torch.cat([s, y[even:]], dim=0)
+            s = torch.cat([s, y.narrow(dim, even, 1)], dim=dim)
         y = s
-    out = y[0]
-    if keepdim:
-        out = out.unsqueeze(dim)
-    return out
+    return y if keepdim else y.squeeze(dim)
 
 
 def fold_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:

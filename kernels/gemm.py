@@ -3,7 +3,8 @@
 Dtype rules
 -----------
 * ``x`` and ``W`` may be fp32 or bf16 (fp16 works too). Both are converted to fp32; products of two
-  bf16 numbers are exact in fp32.
+  bf16 numbers are exact in fp32. (float64 inputs are computed in float64 throughout: only for
+  references and gradcheck.)
 * Each output element is the :func:`~kernels._common.tree_sum` over K of the fp32 products
   ``x[m, k] * W[n, k]``: a fixed adjacent-pair binary tree whose shape depends on K only (or on the
   K segment length, see ``k_segments``).
@@ -38,11 +39,16 @@ from ._common import PRODUCT_BUDGET, fold_sum, tree_sum, with_reference_grad
 __all__ = ["linear", "linear_partial", "sum_partials", "finish_linear"]
 
 
+def _acc_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
+    """fp32, or float64 when an input is float64 (for gradcheck-style references)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
 def _partial_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 [M, N] = tree over K of x2[M, K] * w[N, K] (both already fp32)."""
+    """[M, N] = tree over K of x2[M, K] * w[N, K] (both already in the accumulation dtype)."""
     M, K = x2.shape
     N = w.shape[0]
-    out = torch.empty(M, N, dtype=torch.float32, device=x2.device)
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -70,8 +76,9 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     K = x.shape[-1]
     if weight.shape[-1] != K:
         raise ValueError(f"linear: x has K={K} but weight is {tuple(weight.shape)}")
-    x2 = x.reshape(-1, K).to(torch.float32)
-    w = weight.to(torch.float32)
+    acc = _acc_dtype(x, weight)
+    x2 = x.reshape(-1, K).to(acc)
+    w = weight.to(acc)
     with torch.no_grad():
         out = _partial_fp32(x2, w)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -79,7 +86,7 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def sum_partials(partials: Sequence[torch.Tensor]) -> torch.Tensor:
     """Add fp32 partials in list (= rank / K-segment) order: ``((p0 + p1) + p2) + ...``."""
-    return fold_sum([p.to(torch.float32) for p in partials])
+    return fold_sum(list(partials))
 
 
 def finish_linear(
@@ -87,7 +94,7 @@ def finish_linear(
 ) -> torch.Tensor:
     """Add the bias in fp32 after the K reduction and round once to ``out_dtype``."""
     if bias is not None:
-        acc = acc + bias.to(torch.float32)
+        acc = acc + bias.to(acc.dtype)
     return acc.to(out_dtype)
 
 
@@ -119,15 +126,17 @@ def linear(
     odt = out_dtype or x.dtype
     segs = _segments(K, k_segments)
 
+    acc = _acc_dtype(x, weight, bias)
+
     def fwd(x_, w_, b_):
-        x2 = x_.reshape(-1, K).to(torch.float32)
-        w32 = w_.to(torch.float32)
+        x2 = x_.reshape(-1, K).to(acc)
+        w32 = w_.to(acc)
         parts = [_partial_fp32(x2[:, a:b], w32[:, a:b]) for a, b in segs]
         y = finish_linear(sum_partials(parts), b_, odt)
         return y.reshape(*x_.shape[:-1], N)
 
     def ref(x_, w_, b_):
-        y = F.linear(x_.to(torch.float32), w_.to(torch.float32), None if b_ is None else b_.to(torch.float32))
+        y = F.linear(x_.to(acc), w_.to(acc), None if b_ is None else b_.to(acc))
         return y.to(odt)
 
     return with_reference_grad(fwd, ref, x, weight, bias)
