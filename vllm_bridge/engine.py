@@ -62,30 +62,31 @@ class WeightSyncError(RuntimeError):
 
 @contextlib.contextmanager
 def clean_dist_env(extra: Iterable[str] = ()) -> Iterator[dict[str, str]]:
-    """Temporarily remove the learner's torch.distributed environment from os.environ.
+    """Hide the learner's torch.distributed environment from vLLM while it starts.
 
-    If this process already has an initialised torch.distributed group, also force vLLM to
-    *spawn* (not fork) its engine-core process: a forked child would inherit the initialised
-    default group and vLLM would skip creating its own world.
+    The engine-core process inherits os.environ when it is spawned (vLLM's CPU platform always
+    spawns), so the variables are removed for the duration of the LLM constructor. Afterwards
+    these variables (and LD_PRELOAD, which vLLM's CPU platform rewrites in the calling process to
+    preload tcmalloc/iomp) are put back exactly as they were, including removing values vLLM
+    added (it sets LOCAL_WORLD_SIZE to its own TP size), so the learner's process is unaffected.
+    If a torch.distributed group is already initialised here, spawn is also forced explicitly
+    (a forked child would inherit the group and vLLM would skip creating its own world).
     """
-    removed: dict[str, str] = {}
-    for k in list(DIST_ENV_VARS) + list(extra):
-        if k in os.environ:
-            removed[k] = os.environ.pop(k)
-    mp_key = "VLLM_WORKER_MULTIPROC_METHOD"
-    mp_old = os.environ.get(mp_key)
-    force_spawn = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if force_spawn:
-        os.environ[mp_key] = "spawn"
+    keys = [*DIST_ENV_VARS, *extra, "LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD"]
+    saved = {k: os.environ.get(k) for k in keys}
+    removed = {k: os.environ.pop(k) for k in [*DIST_ENV_VARS, *extra] if k in os.environ}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     try:
         yield removed
     finally:
-        os.environ.update(removed)
-        if force_spawn:
-            if mp_old is None:
-                os.environ.pop(mp_key, None)
+        for k, v in saved.items():
+            if k == "VLLM_WORKER_MULTIPROC_METHOD" and v is None:
+                continue  # vLLM's own choice (spawn on CPU); harmless to keep
+            if v is None:
+                os.environ.pop(k, None)
             else:
-                os.environ[mp_key] = mp_old
+                os.environ[k] = v
 
 
 def _is_mla_config(model_dir: str) -> bool:
@@ -112,6 +113,36 @@ def _iter_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except Exception:
+        return None
+
+
+def _reap(pid: int, start: str | None, wait_s: float = 5.0) -> None:
+    """Kill worker process ``pid`` (one this engine started) if it outlived its engine core.
+
+    The start time guards against a recycled pid. Zombies (already exited) are left alone.
+    """
+    import signal
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if start is None or _proc_start_time(pid) != start:
+            return
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except Exception:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.1)
+    if _proc_start_time(pid) == start:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class RolloutEngine:
@@ -158,6 +189,11 @@ class RolloutEngine:
             # vLLM 0.32 CPU bug: the CPU rotary custom op is wrong for 3-D query tensors (MLA):
             # logprob errors ~0.5. Use the native torch rotary implementation instead.
             kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+            if dtype not in ("bfloat16", "float16", "bf16", "fp16"):
+                # vLLM 0.32 CPU: on hosts with AMX tiles the AMX_MLA backend is preferred, but its
+                # weight prepack only accepts bf16/fp16 ("expect weight to be bfloat16, ...") and
+                # start-up fails for fp32 models: ask for the reference CPU_MLA backend.
+                kwargs["attention_backend"] = "CPU_MLA"
         kwargs.update(engine_kwargs)
         self.engine_kwargs = kwargs
 
@@ -175,6 +211,9 @@ class RolloutEngine:
                     "and the engine kwargs."
                 ) from e
         self.startup_s = time.perf_counter() - t0
+        # (pid, start time) of the worker processes, to reap them in close() if the engine core
+        # died without taking them down.
+        self._worker_procs = [(pid, _proc_start_time(pid)) for pid in self._rpc("rz_pid")]
         tok = self.llm.get_tokenizer()
         self.eos_token_id = getattr(tok, "eos_token_id", None)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -209,7 +248,12 @@ class RolloutEngine:
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+        for pid, start in self._worker_procs:
+            _reap(pid, start)
         self.llm = None
+
+    def worker_pids(self) -> list[int]:
+        return [pid for pid, _ in self._worker_procs]
 
     @property
     def weight_version(self) -> int:

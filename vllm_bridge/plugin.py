@@ -1,4 +1,10 @@
-"""vLLM general plugin entry point (runs in the main, engine-core and worker processes)."""
+"""vLLM general plugin entry point (runs in the main, engine-core and worker processes).
+
+Declared in pyproject.toml: [project.entry-points."vllm.general_plugins"]
+reinforce_zero = "vllm_bridge.plugin:register". vLLM calls register() in every process it starts,
+before any model is built, so the bug fixes in vllm_bridge.vllm_patches are active in the workers
+where weights are (re)loaded. Must stay light and never import megatron.
+"""
 
 
 def register() -> None:

@@ -62,6 +62,11 @@ def _patch_cpu_moe_prepack_on_reload() -> None:
 
 
 def apply() -> None:
+    import os
+
+    if os.environ.get("RZ_VLLM_PATCHES", "1") == "0":  # diagnostics only: run stock vLLM
+        logger.warning("vllm_bridge patches disabled by RZ_VLLM_PATCHES=0")
+        return
     try:
         import vllm
     except Exception:
