@@ -12,6 +12,7 @@ ep_rank * experts_per_rank + local index). Layout facts encoded here:
 - gated MLP `linear_fc1` = [gate; up]; each TP rank holds [gate shard; up shard];
 - row-parallel layers (`linear_proj`, `linear_fc2`) split columns; column-parallel and the
   vocab-parallel embedding / output layer split rows; norms, router and expert bias are replicated;
+- MLA's kv down-projection is replicated on every TP rank (see model.py);
 - MLA (DeepSeek-V3) projections keep HF's row order (per head [nope | rope] for q and
   [k_nope | v] for kv_b; kv_a = [latent | k_rope]); Megatron's MLA applies the same interleaved
   RoPE permutation HF does, so no row permutation is needed.
@@ -85,7 +86,7 @@ def _rule(name: str, m: ModelConfig, ep_rank: int, experts_per_rank: int) -> _Ru
         "self_attention.linear_q_proj.weight": _Rule([p + "self_attn.q_proj.weight"], "row"),
         "self_attention.linear_q_down_proj.weight": _Rule([p + "self_attn.q_a_proj.weight"], "row"),
         "self_attention.linear_q_up_proj.weight": _Rule([p + "self_attn.q_b_proj.weight"], "row"),
-        "self_attention.linear_kv_down_proj.weight": _Rule([p + "self_attn.kv_a_proj_with_mqa.weight"], "row"),
+        "self_attention.linear_kv_down_proj.weight": _Rule([p + "self_attn.kv_a_proj_with_mqa.weight"], "replicated"),
         "self_attention.kv_layernorm.weight": _Rule([p + "self_attn.kv_a_layernorm.weight"], "replicated"),
         "self_attention.linear_kv_up_proj.weight": _Rule([p + "self_attn.kv_b_proj.weight"], "row"),
         # dense MLP (DeepSeek first_k_dense layers)
@@ -241,8 +242,8 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
 
     Collective: every rank of the model-parallel layout must iterate it to the end in step (the
     gathers run inside the iteration). Tensors are gathered with all_gather, so they are complete on
-    every rank (callers may rely on global rank 0 only). Tensors are fresh copies (or the
-    parameter itself when nothing is sharded: clone before modifying) in the model's dtype; the
+    every rank (callers may rely on global rank 0 only). Sharded tensors are fresh copies; a
+    replicated one may share storage with the parameter (clone before modifying). Model dtype; the
     DeepSeek expert bias stays float32 as Megatron keeps it.
     """
     tp, _, tp_group, etp, _, etp_group, ep, _, ep_group = _ctx()
@@ -256,6 +257,6 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
                 r_rule = _rule(name, model_cfg, r, per_rank)
                 yield from zip(r_rule.hf_names, _hf_from_full(r_rule, part, model_cfg))
         else:
-            parts = _all_gather(t, tp, tp_group) if rule.kind != "replicated" else [t]
+            parts = _all_gather(t, tp, tp_group) if rule.kind != "replicated" else [t.detach()]
             full = _unshard(rule, parts)
             yield from zip(rule.hf_names, _hf_from_full(rule, full, model_cfg))

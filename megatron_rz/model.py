@@ -260,8 +260,19 @@ def _layer_spec(m: ModelConfig, moe: bool):
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
     else:
+        from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+
         attn.kv_layernorm = RMSNorm
         attn.q_layernorm = RMSNorm if m.q_lora_rank else IdentityOp
+        # kv down-projection replicated on every TP rank (megatron-core's plain `Linear`, the
+        # local counterpart of TE's "duplicated" linear). With the local spec's
+        # ColumnParallelLinear, MLA all-gathers the output over TP and each rank keeps the full
+        # shared k_rope; the gather's backward only takes the rank's own slice, so the k_rope
+        # gradient of the other ranks' heads is lost (TP=2 trained differently from TP=1). With a
+        # replicated linear MLA takes its other branch: k_rope is gathered along the sequence
+        # and its backward reduce-scatter sums all heads' gradients; the weight's partial grads
+        # are all-reduced over TP through its `sequence_parallel` attribute.
+        attn.linear_kv_down_proj = ReplicatedLinear
     return spec
 
 
@@ -288,4 +299,12 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig):
         rotary_percent=1.0,
         rotary_base=int(m.rope_theta),
     )
+    # Routed-expert weights are replicated over the expert-data-parallel group, which under
+    # sequence parallelism includes the TP ranks when expert TP < TP (each TP rank routes its own
+    # slice of the tokens). megatron-core marks expert weights `allreduce=False` (reduced over the
+    # expert-DP group by DDP) only when ep > 1; with ep == 1 they are reduced over the dense DP
+    # group, which lacks those TP ranks, and their grads stay partial. Mark them always.
+    for name, param in model.named_parameters():
+        if ".experts.local_experts." in name:
+            setattr(param, "allreduce", False)
     return model.to(getattr(torch, m.dtype))

@@ -210,6 +210,9 @@ class CheckpointConfig(_Strict):
 
 class Recipe(_Strict):
     name: str = "tiny_moe"
+    # aligned: learner and vLLM both compute through `kernels` (bitwise-equal logprobs);
+    # fast: stock vLLM model classes and stock Megatron layers (the mismatch baseline).
+    mode: Literal["aligned", "fast"] = "fast"
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -1,0 +1,235 @@
+"""The learner: a Megatron-Core GPTModel, Megatron's DDP wrapper and Megatron's optimizer.
+
+Batch conventions (the same on every rank of the layout):
+- Every rank passes the same full batch `input_ids` [B, S] (right padding allowed: the model is
+  causal, so tokens after a sequence never change its log-probabilities).
+- Rows are split across data-parallel ranks (contiguous chunks). Each rank pads its chunk with
+  dummy rows to ceil(B / dp) rows so that every rank runs the same number of equally shaped
+  forwards and backwards (the MoE token dispatcher and tensor parallelism are collective); dummy
+  rows are never shown to the loss function and get zero gradient.
+- The sequence is right-padded to a multiple of tp (sequence parallelism splits it).
+
+`logprobs` returns out[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1 and 0 at t = 0,
+computed as log_softmax(logits / temperature) in float32 (vocab-parallel when tp > 1).
+
+`train_step` loss convention: for each micro batch `loss_fn(logp, rows)` returns
+`(loss_sum, metrics)` where loss_sum is a SUM over the micro batch's rows (responses) and every
+numeric metric is also a SUM over those rows. The optimizer step uses the gradient of
+(sum over all B rows) / B, whatever the dp and micro-batch split; the returned metrics are the
+sums over all micro batches and dp ranks divided by B (i.e. means over the B rows), plus
+`loss` (same convention), `grad_norm` (before clipping) and `lr`.
+
+Checkpoints: `save_checkpoint(dir)` writes one `torch.save` file per rank
+(`rank{global rank:05d}.pt`: model state dict, optimizer state dict, version, layout).
+Megatron's dist_checkpointing (resharding on load) was not tried on CPU; a per-rank file resumes
+the same layout (checked on load). A different layout can restart from exported HF weights.
+
+Parameters must be float32 on CPU: Megatron's bf16 optimizer only accepts CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rz import hf_convert
+from megatron_rz.model import build_gpt_model, init_parallel
+from megatron_rz.recipe import AlgoConfig, ModelConfig, ParallelConfig
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+def _pad_token_id(hf_dir) -> int | None:
+    import json
+
+    if isinstance(hf_dir, (str, Path)) and (Path(hf_dir) / "config.json").is_file():
+        return json.loads((Path(hf_dir) / "config.json").read_text()).get("pad_token_id")
+    return None
+
+
+class Learner:
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, algo: AlgoConfig, hf_dir, seed: int = 0):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if model_cfg.dtype == "bfloat16" and not torch.cuda.is_available():
+            # Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params) accepts only
+            # torch.cuda.*Tensor parameters in 0.16.1; build_gpt_model itself works in bf16.
+            raise ValueError("model.dtype=bfloat16 training needs CUDA (Megatron's bf16 optimizer); use model.dtype=float32 on CPU")
+        init_parallel(parallel, seed)
+        self.model_cfg, self.parallel, self.algo = model_cfg, parallel, algo
+        self.version = 0
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+
+        model = build_gpt_model(model_cfg, parallel)
+        hf_convert.load_hf_into_megatron(model, hf_dir, model_cfg)
+        self.model = model
+        bf16 = model_cfg.dtype == "bfloat16"
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.ddp = DistributedDataParallel(model.config, ddp_config, model)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=algo.lr,
+            weight_decay=algo.weight_decay,
+            adam_beta1=algo.adam_beta1,
+            adam_beta2=algo.adam_beta2,
+            adam_eps=1e-8,
+            clip_grad=algo.grad_clip,
+            bf16=bf16,
+            params_dtype=getattr(torch, model_cfg.dtype),
+            use_distributed_optimizer=False,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        # Hugging Face builds the embedding with padding_idx=pad_token_id: that row gets no
+        # gradient (it stays as loaded). Mirror it so both sides train the same parameters.
+        self.pad_token_id = _pad_token_id(hf_dir)
+
+    # ------------------------------------------------------------------ forward helpers
+
+    def _my_rows(self, batch: int) -> tuple[torch.Tensor, int]:
+        """This dp rank's global row indices and the padded per-rank row count."""
+        per = math.ceil(batch / self.dp)
+        start = min(self.dp_rank * per, batch)
+        return torch.arange(start, min(start + per, batch)), per
+
+    def _forward_logp(self, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[b, S] token log-probs (with grad if enabled) for a micro batch every rank runs."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        b, s = ids.shape
+        s_pad = math.ceil(s / self.tp) * self.tp
+        if s_pad != s:
+            ids = torch.cat([ids, ids.new_zeros(b, s_pad - s)], dim=1)
+        pos = torch.arange(s_pad).unsqueeze(0).expand(b, s_pad)
+        logits = self.ddp(ids, pos, None)[:, : s - 1].float() / temperature  # [b, s-1, V/tp]
+        target = ids[:, 1:s]
+        if self.tp == 1:
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        else:
+            lp = -vocab_parallel_cross_entropy(logits.contiguous(), target)
+        return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
+
+    @staticmethod
+    def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+        if x.shape[0] == rows:
+            return x
+        pad = x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))
+        return torch.cat([x, pad], dim=0)
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
+        """Full [B, S] float32 log-probs on every rank (rows computed dp-split, then all-gathered)."""
+        input_ids = input_ids.long().cpu()
+        batch, _ = input_ids.shape
+        mbs = micro_batch_size or self.algo.micro_batch_size
+        rows, per = self._my_rows(batch)
+        ids = self._pad_rows(input_ids[rows], per)
+        self.ddp.eval()
+        out = torch.cat([self._forward_logp(ids[i : i + mbs], temperature) for i in range(0, per, mbs)], dim=0)
+        self.ddp.train()
+        if self.dp > 1:
+            parts = [torch.empty_like(out) for _ in range(self.dp)]
+            dist.all_gather(parts, out.contiguous(), group=self.dp_group)
+            out = torch.cat(parts, dim=0)
+        return out[:batch]
+
+    def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, temperature: float = 1.0,
+                   micro_batch_size: int = 64, **per_row_tensors) -> dict:
+        """One optimizer step on the whole batch; see the module docstring for the conventions."""
+        from megatron.core.distributed import finalize_model_grads
+
+        input_ids = input_ids.long().cpu()
+        batch = input_ids.shape[0]
+        rows, per = self._my_rows(batch)
+        ids = self._pad_rows(input_ids[rows], per)
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, torch.Tensor] = {}
+        loss_total = torch.zeros((), dtype=torch.float64)
+        for i in range(0, per, micro_batch_size):
+            logp = self._forward_logp(ids[i : i + micro_batch_size], temperature)
+            real = rows[i : i + micro_batch_size]  # global rows of this micro batch (may be empty)
+            n = real.numel()
+            loss = logp.sum() * 0.0  # keeps every rank's backward (collectives) in step
+            if n:
+                sel = {k: v[real] for k, v in per_row_tensors.items()}
+                loss_sum, metrics = loss_fn(logp[:n], sel)
+                loss = loss + loss_sum / batch
+                loss_total += float(loss_sum.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64)) + float(v)
+            loss.backward()
+        finalize_model_grads([self.ddp])
+        self._zero_pad_row_grad()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.version += 1
+
+        keys = sorted(sums)
+        vec = torch.stack([loss_total] + [sums[k] for k in keys])
+        if self.dp > 1:  # every dp rank reaches here with the same metric keys (same loss_fn)
+            dist.all_reduce(vec, group=self.dp_group)
+        out = {"loss": float(vec[0]) / batch}
+        out.update({k: float(v) / batch for k, v in zip(keys, vec[1:])})
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["update_successful"] = bool(ok)
+        out["version"] = self.version
+        return out
+
+    def _zero_pad_row_grad(self) -> None:
+        emb = self.model.embedding.word_embeddings
+        pid = self.pad_token_id
+        if pid is not None and emb.vocab_start_index <= pid < emb.vocab_end_index:
+            emb.weight.main_grad[pid - emb.vocab_start_index].zero_()
+
+    def export_hf_weights(self):
+        """Collective generator of (HF name, full tensor); see hf_convert.export_hf_weights."""
+        return hf_convert.export_hf_weights(self.model, self.model_cfg)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict_for_checkpoint(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "layout": self.parallel.model_dump(),
+            "world_size": dist.get_world_size(),
+        }
+
+    def save_checkpoint(self, ckpt_dir, step: int | None = None) -> Path:
+        """Collective: every rank writes its file. `step` (the trainer's step; default: version)
+        is stored and returned by load_checkpoint."""
+        d = Path(ckpt_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict_for_checkpoint()
+        state["step"] = self.version if step is None else int(step)
+        torch.save(state, d / f"rank{dist.get_rank():05d}.pt")
+        dist.barrier()
+        return d
+
+    def load_checkpoint(self, ckpt_dir) -> int:
+        """Restore model, optimizer and version from save_checkpoint's files; returns the stored step."""
+        state = torch.load(Path(ckpt_dir) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
+        if state["layout"] != self.parallel.model_dump() or state["world_size"] != dist.get_world_size():
+            raise ValueError(
+                f"checkpoint {ckpt_dir} was saved with layout {state['layout']} on {state['world_size']} ranks; "
+                f"this learner has {self.parallel.model_dump()} on {dist.get_world_size()}"
+            )
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        return int(state.get("step", self.version))
