@@ -197,7 +197,7 @@ def train(recipe: Recipe) -> dict:
             side.engine.update_weights(weights.items(), version=learner.version)
             r = recipe.rollout
             if r.verify_sync and (step % r.verify_every == 0 or step == recipe.schedule.steps - 1):
-                side.engine.verify_sync(weights)
+                side.engine.verify_sync(weights.items())
         t3 = time.perf_counter()
 
         times["rollout"] += t1 - t0

@@ -11,3 +11,4 @@ def register() -> None:
     from vllm_bridge import vllm_patches
 
     vllm_patches.apply()
+    __import__("vllm_bridge.aligned", fromlist=["register_aligned"]).register_aligned()

@@ -1,0 +1,42 @@
+"""Aligned ("trainer-inference invariant") vLLM model classes for reinforce-zero.
+
+``register_aligned()`` (idempotent; called by the vLLM plugin in every vLLM process) registers:
+
+* ``RZAlignedQwen3MoeForCausalLM`` and ``RZAlignedDeepseekV3ForCausalLM`` in vLLM's ModelRegistry,
+  selectable with ``LLM(model=hf_dir, hf_overrides={"architectures": [name]}, ...)`` on the normal
+  Hugging Face checkpoints;
+* the aligned attention backend as ``AttentionBackendEnum.CUSTOM``.
+
+Every op of those models goes through ``kernels`` (see kernels/README.md), so the logprob vLLM reports
+for a sampled token is ``torch.equal`` to :func:`vllm_bridge.aligned.reference.reference_logprobs`
+on prompt + response, however vLLM batches. Engine settings: ``dtype="float32"``,
+``enforce_eager=True``, ``logprobs_mode="processed_logprobs"`` (log_softmax(logits / T)), and for
+DeepSeek-V3 ``VLLM_MLA_DISABLE=1`` in the environment (see deepseek_v3.py).
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = {
+    "RZAlignedQwen3MoeForCausalLM": "vllm_bridge.aligned.qwen3_moe:RZAlignedQwen3MoeForCausalLM",
+    "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
+}
+BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
+
+_REGISTERED = False
+
+
+def register_aligned() -> None:
+    """Register the aligned model classes and attention backend with vLLM (idempotent, cheap:
+    the model modules are imported lazily by vLLM)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for arch, path in ARCHITECTURES.items():
+        if arch not in supported:
+            ModelRegistry.register_model(arch, path)
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    _REGISTERED = True

@@ -1,0 +1,122 @@
+"""vLLM attention backend whose attention is ``kernels.attention`` over the paged KV cache.
+
+Registered as ``AttentionBackendEnum.CUSTOM`` by :func:`vllm_bridge.aligned.register_aligned`, and
+handed to every aligned ``Attention`` layer as ``attn_backend=`` (vLLM 0.32's CPU platform ignores a
+backend chosen by config: platforms/cpu.py get_attn_backend_cls).
+
+Built on vLLM's CPU backend: same KV cache shape ``[num_blocks, kv_heads, block_size, 2 * head]``
+(viewed as ``[num_blocks, kv_heads, 2 * block_size, head]``: K rows then V rows of each block), same
+metadata builder (query_start_loc, seq_lens, block_table, slot_mapping), and
+``forward_includes_kv_cache_update = False`` so vLLM calls :meth:`do_kv_cache_update` before
+:meth:`forward`. The differences:
+
+* ``do_kv_cache_update`` is a plain indexed copy (exact), skipping slots < 0 (padding);
+* ``forward`` gathers each sequence's keys/values 0..seq_len-1 from its blocks and calls
+  ``kernels.attention`` for that sequence's queries, at positions ``seq_len - n_query + j``
+  (prefill, chunked prefill and decode alike). ``kernels.attention`` reduces with zero-extension
+  invariant trees, so a query's bits do not depend on how many keys follow it or on the batch;
+* the profiling run (``attn_metadata is None``) writes zeros.
+
+Value head size: vLLM's CPU KV cache stores K and V with one head size. DeepSeek-V3 MLA computed in
+expanded form has qk head 96 and v head 32: the model writes V zero-padded to 96 into the cache and
+passes ``rz_v_head_dim=32`` to the impl, which attends over the first 32 V channels only (the output
+channels beyond are zero). ``kernels.attention``'s per-channel result does not depend on Dv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+__all__ = ["RZAlignedAttentionBackend", "RZAlignedAttentionImpl"]
+
+
+class RZAlignedAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, rz_v_head_dim: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rz_v_head_dim = rz_v_head_dim
+
+    @staticmethod
+    def _split_cache(kv_cache: torch.Tensor):
+        nb, kvh, bs, two_d = kv_cache.shape
+        kv = kv_cache.view(nb, kvh, 2 * bs, two_d // 2)
+        return kv[:, :, :bs], kv[:, :, bs:], bs
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if kv_cache is None or kv_cache.numel() == 0:
+            return
+        kc, vc, bs = self._split_cache(kv_cache)
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.to(torch.long)
+        valid = slots >= 0
+        if not bool(valid.all()):
+            idx = valid.nonzero().squeeze(1)
+            slots = slots[idx]
+            key, value = key[:n][idx], value[:n][idx]
+        else:
+            key, value = key[:n], value[:n]
+        blk = torch.div(slots, bs, rounding_mode="floor")
+        off = slots - blk * bs
+        # kc[blk, :, off] is [n, kv_heads, head]
+        kc[blk, :, off] = key.to(kc.dtype)
+        vc[blk, :, off] = value.to(vc.dtype)
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output.zero_()
+        kc, vc, bs = self._split_cache(kv_cache)
+        kvh, D = kc.shape[1], kc.shape[3]
+        dv = self.rz_v_head_dim or D
+        n_tok = attn_metadata.num_actual_tokens
+        qsl = attn_metadata.query_start_loc.tolist()
+        num_reqs = len(qsl) - 1
+        seq_lens = attn_metadata.seq_lens[:num_reqs].tolist()
+        out = output.view(output.shape[0], self.num_heads, -1)
+        out.zero_()
+        for i in range(num_reqs):
+            a, b = qsl[i], qsl[i + 1]
+            nq = b - a
+            if nq <= 0:
+                continue
+            L = int(seq_lens[i])
+            nblk = (L + bs - 1) // bs
+            blocks = attn_metadata.block_table[i, :nblk].to(torch.long)
+            k = kc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh, D)[:L]
+            v = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh, D)[:L, :, :dv]
+            pos = torch.arange(L - nq, L)
+            o = kernels.attention(query[a:b], k, v, pos, self.scale, out_dtype=out.dtype)
+            out[a:b, :, :dv] = o
+        if n_tok < out.shape[0]:
+            out[n_tok:] = 0
+        return output
+
+
+class RZAlignedAttentionBackend(CPUAttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any head size: the attention is computed in torch
+
+    @staticmethod
+    def get_impl_cls():
+        return RZAlignedAttentionImpl

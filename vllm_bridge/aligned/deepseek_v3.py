@@ -1,0 +1,62 @@
+"""RZAlignedDeepseekV3ForCausalLM: DeepSeek-V3 for vLLM with every op through ``kernels``.
+
+Select with ``hf_overrides={"architectures": ["RZAlignedDeepseekV3ForCausalLM"]}`` on a normal
+DeepseekV3ForCausalLM checkpoint (same weight names; q_lora_rank None -> q_proj, or q_a_proj /
+q_a_layernorm / q_b_proj). Math: :mod:`vllm_bridge.aligned.reference` (``dsv3_qkv``, ``moe_dsv3``,
+``dense_mlp`` for the first_k_dense_replace layers): sigmoid noaux_tc routing with
+e_score_correction_bias, n_group/topk_group, routed_scaling_factor, shared experts.
+
+MLA is computed in its *expanded* form (the simplest exact route): per query head
+k = [k_nope (from kv_b_proj of the normed latent) | k_pe (shared rope key)], v from kv_b_proj, and
+the full per-head K and V are cached in a standard paged KV cache of the aligned backend with
+``num_kv_heads = num_attention_heads`` and ``head_size = qk_nope + qk_rope`` (96 for the tiny
+model). V (v_head_dim, 32) is zero-padded to that head size in the cache, and the backend attends
+over its first v_head_dim channels only (``rz_v_head_dim``). This costs more cache memory than
+vLLM's latent cache (H * 2 * 96 vs 576 values per token) but needs no absorbed-weight algebra,
+which would change the reduction order relative to the learner's expanded MLA.
+
+RoPE layout: Hugging Face's (de-interleaved after rotating adjacent pairs), see reference.py.
+vLLM's MLA detection (model_type deepseek_v3 -> use_mla) does not matter here: the model builds
+ordinary ``Attention`` layers with an explicit backend. Run with ``VLLM_MLA_DISABLE=1`` anyway so the
+engine's head-size bookkeeping (model_config.get_head_size) matches the cache actually used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._model import RZAlignedForCausalLM, _Params
+
+
+class RZAlignedDeepseekV3ForCausalLM(RZAlignedForCausalLM):
+    ARCH = "deepseek_v3"
+
+    def _build_attention(self, i, dtype, prefix):
+        c = self.c
+        H = c.hidden_size
+        nh = c.num_heads
+        m = nn.Module()
+        if c.q_lora_rank is None:
+            m.q_proj = _Params(dtype, weight=(nh * c.qk_head_dim, H))
+        else:
+            m.q_a_proj = _Params(dtype, weight=(c.q_lora_rank, H))
+            m.q_a_layernorm = _Params(dtype, weight=(c.q_lora_rank,))
+            m.q_b_proj = _Params(dtype, weight=(nh * c.qk_head_dim, c.q_lora_rank))
+        m.kv_a_proj_with_mqa = _Params(dtype, weight=(c.kv_lora_rank + c.qk_rope_head_dim, H))
+        m.kv_a_layernorm = _Params(dtype, weight=(c.kv_lora_rank,))
+        m.kv_b_proj = _Params(dtype, weight=(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
+        m.o_proj = _Params(dtype, weight=(H, nh * c.v_head_dim))
+        if c.v_head_dim > c.qk_head_dim:
+            raise NotImplementedError("aligned DeepSeek-V3: v_head_dim > qk head dim")
+        m.attn = self._make_attn(prefix, nh, c.qk_head_dim, nh, rz_v_head_dim=c.v_head_dim)
+        return m
+
+    def _attend(self, layer, q, k, v):
+        c = self.c
+        T, nh, D = q.shape
+        if c.v_head_dim < D:
+            v = torch.cat([v, v.new_zeros(T, nh, D - c.v_head_dim)], dim=-1)
+        o = layer.self_attn.attn(q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous(),
+                                 v.reshape(T, -1).contiguous())
+        return o.view(T, nh, D)[:, :, : c.v_head_dim]

@@ -1,0 +1,437 @@
+"""Full-sequence reference forward of the aligned architectures, built only from ``kernels`` ops.
+
+``reference_logprobs(hf_dir_or_state_dict, config, input_ids[B, S], temperature) -> [B, S]`` with
+``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``out[:, 0] = 0``. Sequences are
+right padded (token i at position i); entries at padded positions are meaningless, the entries of
+real tokens do not depend on the padding (causal attention, row-invariant kernels).
+
+This module is the contract of "Trainer-Inference Invariance": the vLLM model classes of
+``vllm_bridge.aligned`` call *the same* per-layer functions defined here (``qwen3_qkv``,
+``dsv3_qkv``, ``moe_qwen3``, ``moe_dsv3``, ``dense_mlp``, ``final_logits``, ...) and differ only in
+where the attention keys/values come from (vLLM's paged KV cache, one sequence at a time, via
+``kernels.attention``) -- ``kernels.attention`` is bitwise independent of whether the keys are the
+prefix only (decode), a chunk's prefix (chunked prefill) or the whole padded sequence (here). So the
+logprob vLLM reports for a sampled token is ``torch.equal`` to ``out[:, t]`` of this function.
+
+Numerics (fp32 or bf16 weights, see kernels/README.md): embeddings are a gather; every projection
+is ``kernels.linear`` rounded to the activation dtype; norms ``kernels.rms_norm``; RoPE tables in
+float64 rounded once (``kernels.rope_cos_sin``); attention ``kernels.attention`` /
+``kernels.causal_attention``; routers ``kernels.route``; experts ``kernels.expert_mlp`` and
+``kernels.moe_combine`` (slot order); logits ``kernels.linear(..., out_dtype=float32)``, then
+``(logits / T).log_softmax(-1, dtype=float32)`` -- the call vLLM's sampler makes with
+``logprobs_mode="processed_logprobs"`` (``kernels.logprobs_from_logits``).
+
+Architecture semantics are Hugging Face's (transformers 5.19 Qwen3MoeForCausalLM and
+DeepseekV3ForCausalLM): checked against the transformers forward to ~1e-6 by the tests.
+
+DeepSeek-V3 RoPE layout: with ``rope_interleave=True`` HF rotates the adjacent pairs of the rope
+dims and returns them *de-interleaved* (``[o1 (pairs' first), o2 (pairs' second)]``); the q.k dot
+product's summation order follows that layout, so we use exactly HF's layout: de-interleave q_pe and
+k_pe first (an exact permutation), then the ``"neox"`` rotation. (vLLM's own MLA keeps the
+interleaved layout -- same math, different bits.) The learner must use the same layout.
+Only ``rope_type: default`` is supported (no YaRN mscale) -- ``arch_config`` raises otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+import kernels
+
+__all__ = [
+    "ArchConfig",
+    "arch_config",
+    "load_state_dict",
+    "reference_logprobs",
+    "reference_logits",
+    "qwen3_qkv",
+    "dsv3_qkv",
+    "moe_qwen3",
+    "moe_dsv3",
+    "dense_mlp",
+    "final_logits",
+    "layer_forward",
+]
+
+Getter = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class ArchConfig:
+    """The fields of a Hugging Face config that the aligned forward needs, normalised."""
+
+    arch: str  # "qwen3_moe" | "deepseek_v3"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    # attention
+    head_dim: int = 0  # qwen3: head dim of q/k/v
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # mlp / moe
+    intermediate_size: int = 0
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list = field(default_factory=list)  # bool per layer
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: Optional[int] = None
+    routed_scaling_factor: float = 1.0
+    score: str = "softmax"
+    has_expert_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.arch == "deepseek_v3" else self.head_dim
+
+    @property
+    def attn_v_dim(self) -> int:
+        return self.v_head_dim if self.arch == "deepseek_v3" else self.head_dim
+
+    @property
+    def attn_kv_heads(self) -> int:
+        """KV heads of the per-head K/V cache (DeepSeek MLA: K/V are expanded per query head)."""
+        return self.num_heads if self.arch == "deepseek_v3" else self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        return float(self.qk_head_dim ** (-0.5))
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if isinstance(cfg, Mapping):
+            if n in cfg and cfg[n] is not None:
+                return cfg[n]
+        elif getattr(cfg, n, None) is not None:
+            return getattr(cfg, n)
+    return default
+
+
+def _rope(cfg: Any) -> float:
+    rp = _get(cfg, "rope_parameters", "rope_scaling", default=None) or {}
+    if isinstance(rp, Mapping):
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        if rtype not in (None, "default"):
+            raise NotImplementedError(f"aligned forward: rope_type {rtype!r} is not supported (default only)")
+        theta = rp.get("rope_theta")
+        if theta is not None:
+            return float(theta)
+    return float(_get(cfg, "rope_theta", default=10000.0))
+
+
+def arch_config(config: Any) -> ArchConfig:
+    """ArchConfig from a transformers PretrainedConfig, a dict (config.json) or a checkpoint dir."""
+    if isinstance(config, ArchConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        with open(os.path.join(config, "config.json")) as f:
+            config = json.load(f)
+    model_type = _get(config, "model_type", default="")
+    archs = _get(config, "architectures", default=[]) or []
+    if model_type == "qwen3_moe" or any("Qwen3Moe" in a for a in archs):
+        arch = "qwen3_moe"
+    elif model_type == "deepseek_v3" or any("DeepseekV3" in a for a in archs):
+        arch = "deepseek_v3"
+    else:
+        raise NotImplementedError(f"aligned forward: unsupported model_type {model_type!r} / {archs}")
+    n_layers = int(_get(config, "num_hidden_layers"))
+    common = dict(
+        arch=arch,
+        hidden_size=int(_get(config, "hidden_size")),
+        num_layers=n_layers,
+        num_heads=int(_get(config, "num_attention_heads")),
+        num_kv_heads=int(_get(config, "num_key_value_heads", "num_attention_heads")),
+        vocab_size=int(_get(config, "vocab_size")),
+        rms_norm_eps=float(_get(config, "rms_norm_eps", default=1e-6)),
+        rope_theta=_rope(config),
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        intermediate_size=int(_get(config, "intermediate_size", default=0)),
+        moe_intermediate_size=int(_get(config, "moe_intermediate_size", default=0)),
+        top_k=int(_get(config, "num_experts_per_tok", default=0)),
+        norm_topk_prob=bool(_get(config, "norm_topk_prob", default=False)),
+    )
+    if arch == "qwen3_moe":
+        n_exp = int(_get(config, "num_experts", "num_local_experts", default=0))
+        mlp_only = set(_get(config, "mlp_only_layers", default=[]) or [])
+        step = int(_get(config, "decoder_sparse_step", default=1) or 1)
+        moe = [(i not in mlp_only) and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)]
+        hd = _get(config, "head_dim", default=None)
+        return ArchConfig(
+            **common,
+            head_dim=int(hd) if hd else common["hidden_size"] // common["num_heads"],
+            num_experts=n_exp,
+            moe_layers=moe,
+            score="softmax",
+        )
+    # deepseek_v3
+    topk_method = _get(config, "topk_method", default="noaux_tc")
+    scoring = _get(config, "scoring_func", default="sigmoid")
+    if topk_method != "noaux_tc" or scoring != "sigmoid":
+        raise NotImplementedError(f"aligned DeepSeek-V3: topk_method={topk_method}, scoring={scoring} unsupported")
+    n_exp = int(_get(config, "n_routed_experts", default=0))
+    first_dense = int(_get(config, "first_k_dense_replace", default=0))
+    moe = [n_exp > 0 and i >= first_dense for i in range(n_layers)]
+    return ArchConfig(
+        **common,
+        q_lora_rank=_get(config, "q_lora_rank", default=None),
+        kv_lora_rank=int(_get(config, "kv_lora_rank")),
+        qk_nope_head_dim=int(_get(config, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_get(config, "qk_rope_head_dim")),
+        v_head_dim=int(_get(config, "v_head_dim")),
+        rope_interleave=bool(_get(config, "rope_interleave", default=True)),
+        num_experts=n_exp,
+        moe_layers=moe,
+        n_shared_experts=int(_get(config, "n_shared_experts", default=0) or 0),
+        n_group=int(_get(config, "n_group", default=1) or 1),
+        topk_group=_get(config, "topk_group", default=None),
+        routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)),
+        score="sigmoid",
+        has_expert_bias=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer building blocks, shared verbatim with the vLLM model classes.
+# `w(name)` returns the layer's weight called `name` (HF name relative to "model.layers.{i}.").
+# Activations are [T, H] (tokens flattened); every op below is row-invariant.
+# --------------------------------------------------------------------------------------------------
+
+
+def rope_tables(c: ArchConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
+    return kernels.rope_cos_sin(positions, rot, c.rope_theta)
+
+
+def qwen3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Qwen3(-MoE) attention input: ``x[T, H]`` (already input-layernormed) ->
+    q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (q/k normed per head, then neox RoPE)."""
+    T = x.shape[0]
+    D = c.head_dim
+    q = kernels.linear(x, w("self_attn.q_proj.weight")).view(T, c.num_heads, D)
+    k = kernels.linear(x, w("self_attn.k_proj.weight")).view(T, c.num_kv_heads, D)
+    v = kernels.linear(x, w("self_attn.v_proj.weight")).view(T, c.num_kv_heads, D)
+    q = kernels.rms_norm(q, w("self_attn.q_norm.weight"), c.rms_norm_eps)
+    k = kernels.rms_norm(k, w("self_attn.k_norm.weight"), c.rms_norm_eps)
+    q = kernels.apply_rope(q, cos, sin, "neox")
+    k = kernels.apply_rope(k, cos, sin, "neox")
+    return q, k, v
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def dsv3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """DeepSeek-V3 MLA, computed in its expanded (per-head) form: ``x[T, H]`` ->
+    q [T, Hq, nope+rope], k [T, Hq, nope+rope], v [T, Hq, v_head_dim]."""
+    T = x.shape[0]
+    H = c.num_heads
+    nope, rope, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    if c.q_lora_rank is None:
+        q = kernels.linear(x, w("self_attn.q_proj.weight"))
+    else:
+        qa = kernels.linear(x, w("self_attn.q_a_proj.weight"))
+        qa = kernels.rms_norm(qa, w("self_attn.q_a_layernorm.weight"), c.rms_norm_eps)
+        q = kernels.linear(qa, w("self_attn.q_b_proj.weight"))
+    q = q.view(T, H, nope + rope)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    ckv = kernels.linear(x, w("self_attn.kv_a_proj_with_mqa.weight"))
+    latent, k_pe = ckv[:, : c.kv_lora_rank], ckv[:, c.kv_lora_rank :]
+    latent = kernels.rms_norm(latent, w("self_attn.kv_a_layernorm.weight"), c.rms_norm_eps)
+    kv = kernels.linear(latent, w("self_attn.kv_b_proj.weight")).view(T, H, nope + dv)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k_pe = k_pe.view(T, 1, rope)
+    if c.rope_interleave:
+        q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+    q_pe = kernels.apply_rope(q_pe, cos, sin, "neox")
+    k_pe = kernels.apply_rope(k_pe, cos, sin, "neox")
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    k = torch.cat([k_nope, k_pe.expand(T, H, rope)], dim=-1)
+    return q, k, v.contiguous()
+
+
+def attn_output(c: ArchConfig, w: Getter, o: torch.Tensor) -> torch.Tensor:
+    """o [T, Hq, Dv] -> o_proj -> [T, H]."""
+    return kernels.linear(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"))
+
+
+def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.") -> torch.Tensor:
+    return kernels.expert_mlp(
+        x, w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight"), w(prefix + "down_proj.weight")
+    )
+
+
+def _routed_experts(c: ArchConfig, w: Getter, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[T, k, H]: slot j of token t = expert ids[t, j] applied to x[t] (each token an independent row)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    y = x.new_zeros(T * k, H)
+    for e in torch.unique(flat).tolist():
+        sel = (flat == e).nonzero().squeeze(1)
+        tok = torch.div(sel, k, rounding_mode="floor")
+        y[sel] = dense_mlp(w, x[tok], f"mlp.experts.{e}.")
+    return y.view(T, k, H)
+
+
+def moe_qwen3(c: ArchConfig, w: Getter, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE sparse block: softmax router (logits rounded like HF's nn.Linear), top-k, optional
+    renormalisation; experts combined in slot order."""
+    logits = kernels.router_logits(x, w("mlp.gate.weight"), out_dtype=x.dtype)
+    ids, wts = kernels.route(logits, c.top_k, score="softmax", norm_topk_prob=c.norm_topk_prob)
+    # HF casts the routing weights to the activation dtype before weighting the experts.
+    wts = wts.to(x.dtype)
+    return kernels.moe_combine(_routed_experts(c, w, x, ids), wts, out_dtype=x.dtype)
+
+
+def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 MoE: fp32 router logits, sigmoid noaux_tc grouped top-k with the score-correction
+    bias, renormalised weights times routed_scaling_factor, plus the shared experts."""
+    logits = kernels.router_logits(x, w("mlp.gate.weight"), out_dtype=torch.float32)
+    ids, wts = kernels.route(
+        logits,
+        c.top_k,
+        score="sigmoid",
+        expert_bias=w("mlp.gate.e_score_correction_bias"),
+        num_groups=c.n_group,
+        group_topk=c.topk_group,
+        norm_topk_prob=c.norm_topk_prob,
+        scaling_factor=c.routed_scaling_factor,
+    )
+    shared = dense_mlp(w, x, "mlp.shared_experts.") if c.n_shared_experts else None
+    return kernels.moe_combine(_routed_experts(c, w, x, ids), wts, shared, out_dtype=x.dtype)
+
+
+def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor) -> torch.Tensor:
+    if not c.moe_layers[layer]:
+        return dense_mlp(w, x)
+    return moe_qwen3(c, w, x) if c.arch == "qwen3_moe" else moe_dsv3(c, w, x)
+
+
+def qkv_forward(c: ArchConfig, w: Getter, x: torch.Tensor, cos, sin):
+    return qwen3_qkv(c, w, x, cos, sin) if c.arch == "qwen3_moe" else dsv3_qkv(c, w, x, cos, sin)
+
+
+def layer_forward(
+    c: ArchConfig,
+    w: Getter,
+    layer: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """One decoder layer on ``h[T, H]``. ``attend(q, k, v) -> o [T, Hq, Dv]`` is the only part that
+    differs between this reference (full sequences) and the vLLM model (paged KV cache)."""
+    x = kernels.rms_norm(h, w("input_layernorm.weight"), c.rms_norm_eps)
+    q, k, v = qkv_forward(c, w, x, cos, sin)
+    h = h + attn_output(c, w, attend(q, k, v))
+    x = kernels.rms_norm(h, w("post_attention_layernorm.weight"), c.rms_norm_eps)
+    return h + mlp_forward(c, w, layer, x)
+
+
+def final_norm(c: ArchConfig, norm_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return kernels.rms_norm(h, norm_weight, c.rms_norm_eps)
+
+
+def final_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[T, V]`` (what the aligned vLLM model's compute_logits returns)."""
+    return kernels.lm_head_logits(hidden, lm_head_weight, out_dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The full-sequence reference
+# --------------------------------------------------------------------------------------------------
+
+
+def load_state_dict(hf_dir_or_state_dict: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> dict:
+    """HF-named tensors (cloned: fresh, aligned storage)."""
+    if isinstance(hf_dir_or_state_dict, Mapping):
+        return {k: v.detach().clone() for k, v in hf_dir_or_state_dict.items()}
+    from safetensors.torch import load_file
+
+    d = os.fspath(hf_dir_or_state_dict)
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    sd: dict = {}
+    for f in files:
+        sd.update({k: v.clone() for k, v in load_file(os.path.join(d, f)).items()})
+    return sd
+
+
+def _lm_head(c: ArchConfig, sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        return sd["lm_head.weight"]
+    return sd["model.embed_tokens.weight"]
+
+
+@torch.no_grad()
+def reference_hidden(c: ArchConfig, sd: Mapping[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states [B, S, H] of right-padded sequences."""
+    B, S = input_ids.shape
+    emb = sd["model.embed_tokens.weight"]
+    h = emb[input_ids.reshape(-1).long()]  # [B*S, H], exact gather
+    pos = torch.arange(S).repeat(B)
+    cos, sin = rope_tables(c, pos)
+    scale = c.attn_scale
+
+    def attend(q, k, v):
+        q4 = q.view(B, S, *q.shape[1:])
+        k4 = k.reshape(B, S, *k.shape[1:])
+        v4 = v.reshape(B, S, *v.shape[1:])
+        return kernels.causal_attention(q4, k4, v4, scale).reshape(B * S, q.shape[1], v.shape[-1])
+
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        h = layer_forward(c, lambda n, pre=pre: sd[pre + n], i, h, cos, sin, attend)
+    h = final_norm(c, sd["model.norm.weight"], h)
+    return h.view(B, S, -1)
+
+
+@torch.no_grad()
+def reference_logits(hf_dir_or_state_dict, config, input_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [B, S, V]; logits[:, t] predict token t+1."""
+    sd = load_state_dict(hf_dir_or_state_dict) if not isinstance(hf_dir_or_state_dict, dict) else hf_dir_or_state_dict
+    if config is None and isinstance(hf_dir_or_state_dict, (str, os.PathLike)):
+        config = hf_dir_or_state_dict
+    c = arch_config(config)
+    hidden = reference_hidden(c, sd, input_ids)
+    return final_logits(hidden.reshape(-1, hidden.shape[-1]), _lm_head(c, sd)).view(*input_ids.shape, -1)
+
+
+@torch.no_grad()
+def reference_logprobs(
+    hf_dir_or_state_dict, config, input_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """[B, S] fp32: out[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) at ``temperature``
+    (log_softmax(logits / T), the sampler's processed logprobs); out[:, 0] = 0.
+
+    ``config``: transformers config, config.json dict, ArchConfig, or None (read from the dir)."""
+    input_ids = torch.as_tensor(input_ids).long()
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    logits = reference_logits(hf_dir_or_state_dict, config, input_ids)  # [B, S, V]
+    B, S = input_ids.shape
+    out = torch.zeros(B, S, dtype=torch.float32)
+    if S > 1:
+        lp = kernels.logprobs_from_logits(
+            logits[:, :-1].reshape(B * (S - 1), -1), input_ids[:, 1:].reshape(-1), temperature
+        )
+        out[:, 1:] = lp.view(B, S - 1)
+    return out
