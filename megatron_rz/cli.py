@@ -1,6 +1,8 @@
 """`rz`: the command line.
 
     rz train RECIPE [key.path=value ...]     run a recipe (torchrun is started for tp*dp > 1)
+    rz check RECIPE [overrides]              per-token logprob parity, vLLM vs learner
+    rz bench rollout RECIPE [overrides]      rollout step time aligned vs fast (ratio, one run)
     rz validate RECIPE [overrides]           check a recipe and print the resolved values
     rz make-model RECIPE --out DIR           tokenizer + tiny HF checkpoint + warm start
     rz plot RUN_DIR                          redraw the PNG plots from metrics.jsonl
@@ -44,14 +46,22 @@ def _print_summary(summary: dict) -> None:
     Console().print(t)
 
 
+def _relaunch_under_torchrun(recipe, argv: list[str]) -> int | None:
+    """Learner layouts with several ranks run as CPU (gloo) processes under torchrun."""
+    world = recipe.parallel.world_size
+    if world == 1 or "LOCAL_RANK" in os.environ:
+        return None
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "megatron_rz.cli", *argv]
+    print(f"[rz] launching {world} learner ranks: {' '.join(cmd)}", flush=True)
+    return subprocess.call(cmd)
+
+
 def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
-    world = recipe.parallel.world_size
-    if world > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "megatron_rz.cli", "train", args.recipe, *args.overrides]
-        print(f"[rz] launching {world} learner ranks: {' '.join(cmd)}", flush=True)
-        return subprocess.call(cmd)
+    rc = _relaunch_under_torchrun(recipe, ["train", args.recipe, *args.overrides])
+    if rc is not None:
+        return rc
     from megatron_rz.trainer import train
 
     summary = train(recipe)
@@ -59,6 +69,23 @@ def cmd_train(args) -> int:
         _print_summary(summary)
         print(json.dumps(summary))
     return 0
+
+
+def cmd_check(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    extra = ["--prompts", str(args.prompts), "--samples", str(args.samples)]
+    rc = _relaunch_under_torchrun(recipe, ["check", args.recipe, *args.overrides, *extra])
+    if rc is not None:
+        return rc
+    from megatron_rz.check import main_check
+
+    return main_check(recipe, args.prompts, args.samples)
+
+
+def cmd_bench(args) -> int:
+    from megatron_rz.bench import main_bench
+
+    return main_bench(load_recipe(args.recipe, args.overrides), args.what, args.rounds)
 
 
 def cmd_validate(args) -> int:
@@ -87,12 +114,35 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _quiet() -> None:
+    # Expected on CPU: Megatron announces its TE/Apex fallbacks at import, vLLM logs every engine
+    # step at INFO. Keep the terminal for progress bars and results (RZ_VERBOSE=1 shows all).
+    if os.environ.get("RZ_VERBOSE") == "1":
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet()
     parser = argparse.ArgumentParser(prog="rz", description="reinforce-zero: stable async RL on MoE models")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="run a recipe end to end")
     _recipe_args(p)
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("check", help="per-token logprob parity vLLM vs learner (exit 1 if aligned is not bitwise)")
+    _recipe_args(p)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4)
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("bench", help="benchmarks: `rz bench rollout RECIPE` (aligned vs fast step time)")
+    p.add_argument("what", choices=["rollout"])
+    _recipe_args(p)
+    p.add_argument("--rounds", type=int, default=5)
+    p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("validate", help="validate a recipe and print it resolved")
     _recipe_args(p)
     p.set_defaults(fn=cmd_validate)

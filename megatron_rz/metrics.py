@@ -17,6 +17,8 @@ PLOTS = {
     "step_time.png": [("time_rollout", "rollout"), ("time_learner", "learner"), ("time_sync", "weight sync")],
 }
 
+LOG_SCALE = {"kl.png", "mismatch.png"}
+
 
 class MetricsLogger:
     def __init__(self, recipe: Recipe, run_dir: Path, resume: bool = False):
@@ -84,6 +86,9 @@ def plot_run(run_dir: Path) -> list[Path]:
         if not drew:
             plt.close(fig)
             continue
+        if fname in LOG_SCALE:
+            # Mismatch spans orders of magnitude and is exactly 0 when aligned: symlog shows both.
+            ax.set_yscale("symlog", linthresh=1e-16)
         ax.set_xlabel("update")
         ax.set_title(fname.removesuffix(".png").replace("_", " "))
         ax.grid(alpha=0.3)

@@ -86,6 +86,7 @@ class RolloutSide:
             max_num_seqs=r.max_num_seqs,
             kv_cache_gb=r.kv_cache_gb,
             max_model_len=recipe.model.max_position_embeddings,
+            aligned=recipe.mode == "aligned",
         )
 
     def encode(self, problems: list[Problem]) -> list[list[int]]:

@@ -89,6 +89,38 @@ def clean_dist_env(extra: Iterable[str] = ()) -> Iterator[dict[str, str]]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables while the engine spawns its processes, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+ALIGNED_CLASSES = {
+    "Qwen3MoeForCausalLM": "RZAlignedQwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "RZAlignedDeepseekV3ForCausalLM",
+}
+
+
+def _aligned_architecture(model_dir: str) -> str:
+    archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    for a in archs:
+        if a in ALIGNED_CLASSES:
+            return ALIGNED_CLASSES[a]
+    raise RolloutEngineError(
+        f"no aligned model class for architectures {archs} in {model_dir}; aligned mode supports "
+        f"{sorted(ALIGNED_CLASSES)} (use mode=fast for others)"
+    )
+
+
 def _is_mla_config(model_dir: str) -> bool:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -160,6 +192,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         rpc_timeout_s: float | None = 600.0,
+        aligned: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         self.model_dir = str(model_dir)
@@ -185,7 +218,16 @@ class RolloutEngine:
             max_num_batched_tokens=max(max_model_len, 2048),
             tensor_parallel_size=1,
         )
-        if self.is_mla:
+        env: dict[str, str] = {}
+        self.aligned = aligned
+        if aligned:
+            # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
+            kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
+            if self.is_mla:
+                # The aligned DeepSeek-V3 caches expanded per-head K/V in a standard paged cache;
+                # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.
+                env["VLLM_MLA_DISABLE"] = "1"
+        elif self.is_mla:
             # vLLM 0.32 CPU bug: the CPU rotary custom op is wrong for 3-D query tensors (MLA):
             # logprob errors ~0.5. Use the native torch rotary implementation instead.
             kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
@@ -200,7 +242,7 @@ class RolloutEngine:
         from vllm import LLM
 
         t0 = time.perf_counter()
-        with clean_dist_env():
+        with clean_dist_env(), _env(env):
             try:
                 self.llm = LLM(**kwargs)
             except Exception as e:  # start-up failure: say so clearly
