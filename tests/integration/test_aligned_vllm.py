@@ -15,8 +15,8 @@ the same weights built from ``kernels`` ops) on prompt + response:
   with perturbed weights, parity with the reference on the new weights is still bitwise.
 The reference itself is checked against the transformers forward (<= 1e-4 on logprobs).
 
-Engine settings: dtype float32, enforce_eager, logprobs_mode="processed_logprobs"; DeepSeek-V3 also
-VLLM_MLA_DISABLE=1 (set only while its engine starts).
+Engine settings: dtype float32, enforce_eager, logprobs_mode="processed_logprobs" (DeepSeek-V3 also
+custom_ops ["all", "-rotary_embedding"], which only matters to the stock class).
 
 RZ_ALIGNED_BENCH=1 adds a speed comparison with the stock vLLM model on the same prompts (starts a
 second engine per architecture, ~30 s each).
@@ -106,7 +106,9 @@ class _Env:
 def _start(ckpt: Path, arch: str, aligned: bool):
     from vllm import LLM
 
-    env = {"VLLM_MLA_DISABLE": "1"} if (aligned and arch == "deepseek_v3") else {}
+    # The aligned DeepSeek-V3 also runs with VLLM_MLA_DISABLE=1 (checked by hand); not needed.
+    env = {"VLLM_MLA_DISABLE": os.environ["RZ_TEST_MLA_DISABLE"]} if (
+        aligned and arch == "deepseek_v3" and "RZ_TEST_MLA_DISABLE" in os.environ) else {}
     t0 = time.perf_counter()
     with _Env(**env):
         llm = LLM(model=str(ckpt), **_engine_kwargs(arch, aligned))
@@ -197,12 +199,13 @@ def test_reference_matches_transformers(aligned):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_batched_parity(aligned, temperature):
-    """16 prompts x 4 samples, <= 16 concurrent, chunked prefill mixed with decodes."""
-    samples, dt = _generate(aligned["llm"], PROMPTS, temperature, N_SAMPLES)
+    """16 prompts x 4 samples (2 at T=0.7), <= 16 concurrent, chunked prefill mixed with decodes."""
+    n = N_SAMPLES if temperature == 1.0 else 2
+    samples, dt = _generate(aligned["llm"], PROMPTS, temperature, n)
     stats = _compare(samples, _reference(aligned["sd"], aligned["ckpt"], samples, temperature))
     stats["gen_tok_per_s"] = round(stats["tokens"] / dt, 1)
     _record(aligned["arch"], f"batched_T{temperature}", stats)
-    assert stats["tokens"] == len(PROMPTS) * N_SAMPLES * MAX_TOKENS
+    assert stats["tokens"] == len(PROMPTS) * n * MAX_TOKENS
     assert stats["bitwise_equal"] == stats["tokens"], stats
     if temperature == 1.0:
         aligned["batched_T1"] = samples

@@ -10,8 +10,7 @@
 Every op of those models goes through ``kernels`` (see kernels/README.md), so the logprob vLLM reports
 for a sampled token is ``torch.equal`` to :func:`vllm_bridge.aligned.reference.reference_logprobs`
 on prompt + response, however vLLM batches. Engine settings: ``dtype="float32"``,
-``enforce_eager=True``, ``logprobs_mode="processed_logprobs"`` (log_softmax(logits / T)), and for
-DeepSeek-V3 ``VLLM_MLA_DISABLE=1`` in the environment (see deepseek_v3.py).
+``enforce_eager=True``, ``logprobs_mode="processed_logprobs"`` (log_softmax(logits / T)).
 """
 
 from __future__ import annotations
@@ -31,12 +30,18 @@ def register_aligned() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from vllm import ModelRegistry
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    try:
+        from vllm import ModelRegistry
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    supported = set(ModelRegistry.get_supported_archs())
-    for arch, path in ARCHITECTURES.items():
-        if arch not in supported:
-            ModelRegistry.register_model(arch, path)
-    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+        supported = set(ModelRegistry.get_supported_archs())
+        for arch, path in ARCHITECTURES.items():
+            if arch not in supported:
+                ModelRegistry.register_model(arch, path)
+        register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    except Exception as e:  # never break stock models (the plugin runs in every vLLM process)
+        import logging
+
+        logging.getLogger("vllm_bridge.aligned").warning("aligned models not registered: %r", e)
+        return
     _REGISTERED = True

@@ -16,9 +16,10 @@ vLLM's latent cache (H * 2 * 96 vs 576 values per token) but needs no absorbed-w
 which would change the reduction order relative to the learner's expanded MLA.
 
 RoPE layout: Hugging Face's (de-interleaved after rotating adjacent pairs), see reference.py.
-vLLM's MLA detection (model_type deepseek_v3 -> use_mla) does not matter here: the model builds
-ordinary ``Attention`` layers with an explicit backend. Run with ``VLLM_MLA_DISABLE=1`` anyway so the
-engine's head-size bookkeeping (model_config.get_head_size) matches the cache actually used.
+vLLM's MLA detection (model_type deepseek_v3 -> model_config.use_mla) does not matter here: the
+model builds ordinary ``Attention`` layers with an explicit backend, whose KV cache spec (per-head,
+head_size 96) is what vLLM allocates. Checked bitwise both with and without ``VLLM_MLA_DISABLE=1``;
+no environment variable is needed.
 """
 
 from __future__ import annotations
