@@ -161,7 +161,22 @@ class RolloutConfig(_Strict):
 
 
 class AlgoConfig(_Strict):
-    name: Literal["reinforce_zero"] = "reinforce_zero"
+    """The loss. reinforce_zero is the method; the others are the comparison baselines."""
+
+    name: Literal["reinforce_zero", "dapo", "tis", "icepop", "mis"] = "reinforce_zero"
+    # dapo: clip-higher PPO-style ratio clipping, token-level aggregation, dynamic sampling,
+    # overlong reward shaping.
+    dapo_eps_low: float = 0.2
+    dapo_eps_high: float = 0.28
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal and refill the batch
+    overlong_buffer: int = 0  # tokens before max_new_tokens where the length penalty ramps in
+    overlong_penalty: float = 1.0
+    # tis: truncated IS weight min(w, tis_cap); icepop: tokens with w outside [low, high] masked;
+    # mis: whole responses whose sequence-level weight exceeds mis_threshold are dropped.
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 2.0
+    mis_threshold: float = 2.0
     lr: float = 1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -191,6 +206,16 @@ class WarmStartConfig(_Strict):
 class ScheduleConfig(_Strict):
     steps: int = 40
     seed: int = 0
+    # Policy lag bound: the learner may train on samples generated up to max_lag updates ago.
+    # 0 = synchronous (rollout, update, sync in turn); k > 0 = rollout and learner run at once.
+    max_lag: int = 0
+
+    @field_validator("max_lag", "steps")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
     eval_every: int = 0  # 0: evaluate only before and after the run
 
 
