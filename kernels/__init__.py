@@ -19,6 +19,7 @@ _EXPORTS = {
     "linear_partial": "gemm",
     "sum_partials": "gemm",
     "finish_linear": "gemm",
+    "ROW_PARALLEL_K_SEGMENTS": "gemm",
     "rms_norm": "norm",
     "rope_inv_freq": "rope",
     "rope_cos_sin": "rope",

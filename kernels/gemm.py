@@ -39,6 +39,13 @@ from ._common import PRODUCT_BUDGET, fold_sum, tree_sum, with_reference_grad
 __all__ = ["linear", "linear_partial", "sum_partials", "finish_linear"]
 
 
+
+# Every row-parallel projection (attention o_proj, every MLP/expert down_proj) reduces K in this
+# many segments, summed in order, on BOTH sides. A learner with tensor parallel size tp dividing
+# it computes one segment group per rank and adds the fp32 partials in rank order, which is
+# bitwise the one-rank result; so TP=1 and TP=2 learners and a TP=1 vLLM engine agree exactly.
+ROW_PARALLEL_K_SEGMENTS = 2
+
 def _acc_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     """fp32, or float64 when an input is float64 (for gradcheck-style references)."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .gemm import linear
+from .gemm import ROW_PARALLEL_K_SEGMENTS, linear
 
 __all__ = ["silu", "swiglu", "expert_mlp", "expert_mlp_merged", "moe_combine", "moe_experts"]
 
@@ -40,7 +40,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def expert_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))``: ``x[..., H]``, ``w_gate/w_up [I, H]``, ``w_down [H, I]``."""
-    return linear(swiglu(linear(x, w_gate), linear(x, w_up)), w_down)
+    # down_proj is row-parallel under TP: fixed K segmentation (see gemm.ROW_PARALLEL_K_SEGMENTS).
+    return linear(swiglu(linear(x, w_gate), linear(x, w_up)), w_down, k_segments=ROW_PARALLEL_K_SEGMENTS)
 
 
 def expert_mlp_merged(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def expert_mlp_merged(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
     Bitwise equal to :func:`expert_mlp` with the two halves (the linear is invariant in N)."""
     gu = linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
-    return linear(swiglu(gu[..., :i], gu[..., i:]), w_down)
+    return linear(swiglu(gu[..., :i], gu[..., i:]), w_down, k_segments=ROW_PARALLEL_K_SEGMENTS)
 
 
 def moe_combine(

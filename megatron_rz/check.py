@@ -57,10 +57,14 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4) -> dict:
     all_equal = True
     for name, samples_ in scenarios.items():
         batch = build_batch(samples_, pad_id=0)
-        for mbs in sorted({batch.input_ids.shape[0], 5, 1}):
-            logp = learner.logprobs(batch.input_ids, temperature=T, micro_batch_size=mbs)
+        B, S = batch.input_ids.shape
+        variants = {f"micro-batch {m}": (m, 0) for m in sorted({B, 5, 1})}
+        variants["micro-batch 5, 7 extra pad columns"] = (5, 7)  # another padded length
+        for label, (mbs, extra) in variants.items():
+            ids = torch.nn.functional.pad(batch.input_ids, (0, extra), value=0)
+            logp = learner.logprobs(ids, temperature=T, micro_batch_size=mbs)[:, :S]
             stats = mismatch_stats(logp, batch.old_logprobs, batch.loss_mask)
-            report["scenarios"][f"{name}; learner micro-batch {mbs}"] = stats
+            report["scenarios"][f"{name}; learner {label}"] = stats
             all_equal &= stats["frac_bitwise"] == 1.0
     report["all_bitwise_equal"] = all_equal
     if not all_equal and recipe.mode == "aligned":

@@ -25,6 +25,13 @@ Megatron's dist_checkpointing (resharding on load) was not tried on CPU; a per-r
 the same layout (checked on load). A different layout can restart from exported HF weights.
 
 Parameters must be float32 on CPU: Megatron's bf16 optimizer only accepts CUDA tensors.
+
+`mode="aligned"` (recipe field `mode`) builds the model from megatron_rz.aligned_spec: every forward
+op goes through `kernels`, the vocab-parallel logits are gathered to the full vocabulary and
+`kernels.logprobs_from_logits` (log_softmax(logits / T) in fp32) is applied, so `logprobs` is
+torch.equal to vllm_bridge.aligned.reference.reference_logprobs for any micro-batch size, batch
+composition, right padding, TP in {1, 2} and EP in {1, 2}. Backward is the plain gradient
+(correct to rounding, not invariant). `mode="fast"` is Megatron's stock numerics.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ def _pad_token_id(hf_dir) -> int | None:
 
 
 class Learner:
-    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, algo: AlgoConfig, hf_dir, seed: int = 0):
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, algo: AlgoConfig, hf_dir, seed: int = 0,
+                 mode: str = "fast"):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -62,14 +70,16 @@ class Learner:
             # torch.cuda.*Tensor parameters in 0.16.1; build_gpt_model itself works in bf16.
             raise ValueError("model.dtype=bfloat16 training needs CUDA (Megatron's bf16 optimizer); use model.dtype=float32 on CPU")
         init_parallel(parallel, seed)
-        self.model_cfg, self.parallel, self.algo = model_cfg, parallel, algo
+        if mode not in ("fast", "aligned"):
+            raise ValueError(f"Learner: mode must be 'fast' or 'aligned', not {mode!r}")
+        self.model_cfg, self.parallel, self.algo, self.mode = model_cfg, parallel, algo, mode
         self.version = 0
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
 
-        model = build_gpt_model(model_cfg, parallel)
+        model = build_gpt_model(model_cfg, parallel, mode=mode)
         hf_convert.load_hf_into_megatron(model, hf_dir, model_cfg)
         self.model = model
         bf16 = model_cfg.dtype == "bfloat16"
@@ -111,12 +121,27 @@ class Learner:
         if s_pad != s:
             ids = torch.cat([ids, ids.new_zeros(b, s_pad - s)], dim=1)
         pos = torch.arange(s_pad).unsqueeze(0).expand(b, s_pad)
-        logits = self.ddp(ids, pos, None)[:, : s - 1].float() / temperature  # [b, s-1, V/tp]
         target = ids[:, 1:s]
+        if self.mode == "aligned":
+            return self._aligned_logp(self.ddp(ids, pos, None)[:, : s - 1], target, temperature)
+        logits = self.ddp(ids, pos, None)[:, : s - 1].float() / temperature  # [b, s-1, V/tp]
         if self.tp == 1:
             lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
         else:
             lp = -vocab_parallel_cross_entropy(logits.contiguous(), target)
+        return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
+
+    def _aligned_logp(self, logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
+        """fp32 logits [b, s-1, V/tp] (aligned output layer) -> [b, s] log-probs, exactly the
+        reference's `kernels.logprobs_from_logits` on full-vocabulary rows."""
+        import kernels
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        b, s1 = target.shape
+        if self.tp > 1:  # exact: an all-gather of the vocab shards (backward: take own shard)
+            logits = gather_from_tensor_model_parallel_region(logits.contiguous())
+        lp = kernels.logprobs_from_logits(logits.reshape(b * s1, -1).contiguous(), target.reshape(-1), temperature)
+        lp = lp.view(b, s1)
         return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
 
     @staticmethod

@@ -276,17 +276,33 @@ def _layer_spec(m: ModelConfig, moe: bool):
     return spec
 
 
-def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig):
+def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str = "fast"):
     """Megatron GPTModel for the recipe (call init_parallel first). Weights are uninitialised
-    placeholders until hf_convert.load_hf_into_megatron fills them."""
+    placeholders until hf_convert.load_hf_into_megatron fills them.
+
+    mode="fast": the modules above (Megatron's stock numerics). mode="aligned": the same model and
+    parameters, every forward op through `kernels` (megatron_rz.aligned_spec), bitwise equal to
+    vllm_bridge.aligned.reference for any batching / TP (1, 2) / EP (1, 2). RoPE is then applied
+    inside the aligned attention modules (float64 tables), so GPTModel gets no position embedding."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    if mode not in ("fast", "aligned"):
+        raise ValueError(f"build_gpt_model: mode must be 'fast' or 'aligned', not {mode!r}")
     megatron_patches.apply()
     m = model_cfg
     config = transformer_config(m, parallel)
     layer_specs = [_layer_spec(m, moe=i >= m.first_k_dense) for i in range(m.num_layers)]
-    block = TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=RMSNorm)
+    final_norm = RMSNorm
+    pos_emb = "rope" if m.arch == "qwen3_moe" else "none"
+    if mode == "aligned":
+        from megatron_rz import aligned_spec
+
+        aligned_spec.check_aligned_supported(m, parallel)
+        layer_specs = [aligned_spec.aligned_layer_spec(s, m, RMSNorm, CoreAttention) for s in layer_specs]
+        final_norm = aligned_spec.AlignedRMSNorm
+        pos_emb = "none"
+    block = TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -295,7 +311,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig):
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=m.tie_word_embeddings,
-        position_embedding_type="rope" if m.arch == "qwen3_moe" else "none",
+        position_embedding_type=pos_emb,
         rotary_percent=1.0,
         rotary_base=int(m.rope_theta),
     )
@@ -307,4 +323,9 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig):
     for name, param in model.named_parameters():
         if ".experts.local_experts." in name:
             setattr(param, "allreduce", False)
-    return model.to(getattr(torch, m.dtype))
+    model = model.to(getattr(torch, m.dtype))
+    if mode == "aligned":
+        from megatron_rz import aligned_spec
+
+        aligned_spec.alignify_model(model, RMSNorm, CoreAttention)
+    return model

@@ -1,14 +1,15 @@
 """Run the learner on a fixed batch under one parallel layout and save what it computed.
 
     python -m torch.distributed.run --nproc-per-node 2 -m megatron_rz.parallel_check \\
-        --hf-dir D --tp 2 --ep 1 --out F.pt [--set model.arch=deepseek_v3 ...]
+        --hf-dir D --tp 2 --ep 1 --out F.pt [--mode aligned] [--set model.arch=deepseek_v3 ...]
 
 Builds the learner (dp = world size / tp), computes log-probs of a fixed batch, runs two
 optimizer steps with a fixed REINFORCE-style loss (two micro batches each), then computes the
 log-probs again and exports the Hugging Face weights. Rank 0 saves
 {"logprobs_before", "logprobs_after", "metrics", "weights", "layout"} to --out. Comparing the
 files of two layouts (e.g. TP=2 against TP=1) checks that parallelism does not change the result.
-`run_check` is the same thing as a function (world size 1 runs in-process).
+`run_check` is the same thing as a function (world size 1 runs in-process). `--mode aligned` uses the
+aligned learner (megatron_rz.aligned_spec), whose log-probs must then be torch.equal across layouts.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ def reinforce_loss(logp: torch.Tensor, rows: dict):
     return loss_sum, {"logp_sum": tok.detach().sum(), "tokens": rows["loss_mask"].sum()}
 
 
-def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_size: int = 1, steps: int = 2) -> dict:
+def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_size: int = 1, steps: int = 2,
+              mode: str = "fast", recipe_path: str | None = None) -> dict:
     from megatron_rz.learner import Learner
 
     dp = world_size // tp
-    recipe = load_recipe(None, list(overrides) + [f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.dp={dp}"])
-    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir, seed=0)
+    recipe = load_recipe(recipe_path, list(overrides) + [f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.dp={dp}"])
+    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir, seed=0, mode=mode)
     ids, mask, adv = fixed_batch(recipe.model.vocab_size)
     before = learner.logprobs(ids)
     metrics = [
@@ -59,7 +61,7 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
         "logprobs_after": after,
         "metrics": metrics,
         "weights": weights,
-        "layout": {"tp": tp, "ep": ep, "dp": dp},
+        "layout": {"tp": tp, "ep": ep, "dp": dp, "mode": mode},
     }
 
 
@@ -73,11 +75,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="recipe override key.path=value (repeatable)")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--mode", choices=["fast", "aligned"], default="fast")
+    ap.add_argument("--recipe", default=None, help="recipe YAML (default: the embedded default recipe)")
     args = ap.parse_args(argv)
     import os
 
     world = int(os.environ.get("WORLD_SIZE", 1))
-    result = run_check(args.hf_dir, args.tp, args.ep, args.set, world, args.steps)
+    result = run_check(args.hf_dir, args.tp, args.ep, args.set, world, args.steps, args.mode, args.recipe)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rz.batch_filters import flatten_groups, overlong_shaping, refill_groups, token_weights_for_token_mean
 from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz.metrics import MetricsLogger, plot_run
@@ -35,6 +36,8 @@ class Batch:
     rewards: torch.Tensor  # [B]
     advantages: torch.Tensor  # [B]
     versions: torch.Tensor  # [B, S] long, weight version that produced each response token (-1 elsewhere)
+    token_weight: torch.Tensor  # [B], B / (response tokens in the batch): token-level aggregation (DAPO)
+    task_rewards: torch.Tensor  # [B], the task's reward before any shaping
 
 
 def build_batch(samples, pad_id: int) -> Batch:
@@ -52,7 +55,9 @@ def build_batch(samples, pad_id: int) -> Batch:
         ver[i, p : p + r] = torch.tensor(s.versions, dtype=torch.long)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups = torch.tensor([s.group for s in samples])
-    return Batch(ids, mask, old, rewards, group_advantages(rewards, groups), ver)
+    task_rewards = torch.tensor([s.info.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
+    return Batch(ids, mask, old, rewards, group_advantages(rewards, groups), ver,
+                 token_weights_for_token_mean(mask), task_rewards)
 
 
 def _rank() -> int:
@@ -109,6 +114,34 @@ class RolloutSide:
             s.reward = self.task.reward(problems[s.group], self.decode(s.response_ids))
         return samples
 
+    def collect(self, rng: random.Random, step: int):
+        """One step's training samples: task rewards, then the algorithm's batch shaping
+        (DAPO overlong penalty, dynamic sampling refill). s.info['task_reward'] keeps the raw reward."""
+        algo, r = self.recipe.algo, self.recipe.rollout
+        base_seed = self.recipe.schedule.seed * 100003 + step * 101
+
+        def generate(n: int, attempt: int):
+            samples = self.rollout(self.task.sample(rng, n), seed=base_seed + attempt)
+            for s in samples:
+                s.info["task_reward"] = s.reward
+            if algo.overlong_buffer > 0:
+                shaped = overlong_shaping(
+                    torch.tensor([s.reward for s in samples]),
+                    torch.tensor([len(s.response_ids) for s in samples]),
+                    r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty,
+                )
+                for s, v in zip(samples, shaped.tolist()):
+                    s.reward = v
+            return samples
+
+        if not algo.dynamic_sampling:
+            return generate(r.prompts_per_step, 0)
+        result = refill_groups(generate, r.prompts_per_step)
+        samples = flatten_groups(result.groups)
+        for s in samples:
+            s.info["dynamic_sampling_dropped"] = result.dropped_groups
+        return samples
+
     def evaluate(self) -> float:
         """Greedy exact-match accuracy on the task's held-out prompts."""
         problems = self.task.eval_set()
@@ -134,6 +167,10 @@ def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
 
 def train(recipe: Recipe) -> dict:
     """Run the recipe; returns the final summary on rank 0 (empty dict elsewhere)."""
+    if recipe.schedule.max_lag > 0:
+        from megatron_rz.async_trainer import train_async
+
+        return train_async(recipe)
     from tqdm import tqdm
 
     from megatron_rz.learner import Learner
@@ -143,7 +180,8 @@ def train(recipe: Recipe) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     init_parallel(recipe.parallel, seed=recipe.schedule.seed)
     base = prepare_base_model(recipe, run_dir)
-    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed)
+    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
+                      mode=recipe.mode)
     rank0 = _rank() == 0
     start_step = 0
     if recipe.checkpoint.load:
@@ -156,7 +194,7 @@ def train(recipe: Recipe) -> dict:
         if rank0:
             side.engine.update_weights(weights.items(), version=learner.version)
     logger = MetricsLogger(recipe, run_dir, resume=bool(start_step)) if rank0 else None
-    loss_fn = make_loss_fn(recipe.algo.name)
+    loss_fn = make_loss_fn(recipe.algo)
     rng = random.Random(recipe.schedule.seed * 1000 + start_step)
     d3_ratio = RunningRatio()
     times = {"rollout": 0.0, "learner": 0.0, "sync": 0.0}
@@ -170,8 +208,7 @@ def train(recipe: Recipe) -> dict:
         t0 = time.perf_counter()
         batch = None
         if rank0:
-            problems = side.task.sample(rng, recipe.rollout.prompts_per_step)
-            samples = side.rollout(problems, seed=recipe.schedule.seed * 100003 + step)
+            samples = side.collect(rng, step)
             batch = build_batch(samples, side.tok.pad_token_id)
         batch = _broadcast(batch)
         t1 = time.perf_counter()
@@ -189,6 +226,7 @@ def train(recipe: Recipe) -> dict:
             old_logprobs=batch.old_logprobs,
             advantages=batch.advantages,
             loss_mask=batch.loss_mask,
+            token_weight=batch.token_weight,
         )
         t2 = time.perf_counter()
 
@@ -210,7 +248,8 @@ def train(recipe: Recipe) -> dict:
                 **stats,
                 **{k: v for k, v in out.items()},
                 "d3_peak_over_median": d3_ratio.add(stats.get("d3", 0.0)),
-                "reward_mean": batch.rewards.mean().item(),
+                "reward_mean": batch.task_rewards.mean().item(),
+                "shaped_reward_mean": batch.rewards.mean().item(),
                 "response_len": resp_len.mean().item(),
                 "lag_max": 0,
                 "weight_version": learner.version,

@@ -269,7 +269,9 @@ def dsv3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: 
 
 def attn_output(c: ArchConfig, w: Getter, o: torch.Tensor) -> torch.Tensor:
     """o [T, Hq, Dv] -> o_proj -> [T, H]."""
-    return kernels.linear(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"))
+    # o_proj is row-parallel under TP: fixed K segmentation shared with the learner.
+    return kernels.linear(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"),
+                          k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
 
 
 def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.") -> torch.Tensor:

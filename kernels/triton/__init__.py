@@ -1,0 +1,56 @@
+"""Triton GPU versions of the aligned ops (batch-invariant on their own device).
+
+``import kernels.triton`` loads nothing: ``triton`` is imported only when an op is first used, so the
+package stays importable on CPU-only machines. :func:`available` says whether the ops can run.
+
+The GPU kernels do not reproduce the CPU reference's bits (different reduction trees); each is
+invariant on its own: a token's result never depends on the batch size, the other rows, its position
+or prefill vs decode. The learner and the rollout engine must both call these (same segmentation,
+same configs table). See kernels/README.md and the module docstrings.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "linear": "gemm",
+    "matmul": "gemm",
+    "default_k_segments": "gemm",
+    "pick_config": "gemm",
+    "GemmConfig": "gemm",
+    "CONFIGS": "gemm",
+    "rms_norm": "rmsnorm",
+    "logprobs_from_logits": "logprobs",
+    "token_logprobs": "logprobs",
+    "attention": "attention",
+}
+
+__all__ = sorted(_EXPORTS) + ["available"]
+
+
+def available() -> bool:
+    """True when CUDA and an importable Triton are present."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kernels.triton' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,354 @@
+"""Batch-invariant bf16/fp16/fp32 GEMM for the GPU (Triton): ``y = x[M, K] @ W[N, K].T (+ b)``.
+
+What decides the bits (measured on H200, triton 3.6; see kernels/README.md): only how K is cut into
+segments and the order in which the fp32 segment partials are added. Tile shape (BLOCK_M/N/K),
+mma.sync vs wgmma, TMA vs pointer loads, and reducing the segments in-kernel vs in a second kernel do
+not change them. So:
+
+* the K segmentation is a pure function of ``(K, N)`` (:func:`default_k_segments`) or given
+  explicitly (``k_segments``, e.g. the row-parallel TP degree) -- **never chosen from M**;
+* each segment is accumulated by one ``tl.dot`` chain in fp32 starting from zero, stepping K
+  upwards; the segment partials are added left to right starting from ``0.0``
+  (``((0 + p0) + p1) + ...``), then the bias (fp32), then one rounding to ``out_dtype``;
+* with one segment the dot chain runs over all of K and its result is used directly;
+* any tile config may be picked per M (:func:`pick_config`): all of them give the same bits (tested
+  in tests/gpu/test_triton_kernels.py). Segmented shapes at small M run one program per
+  (tile, segment) writing fp32 partials, reduced by a second kernel in segment order ("split" mode);
+  at large M one program loops over the segments with two accumulators.
+
+No atomics, no cuBLAS, no split-K chosen by M.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
+__all__ = ["linear", "default_k_segments", "pick_config", "GemmConfig", "CONFIGS", "matmul"]
+
+# fixed segment length used by the default segmentation of long-K / narrow-N shapes
+SEGMENT_LEN = 1024
+
+
+def default_k_segments(K: int, N: int) -> int:
+    """Number of equal K segments for a weight of shape [N, K]. Depends on (K, N) only.
+
+    Long K with narrow N (e.g. a 7168 -> 2048 projection) starves decode-sized grids (N / 16 tiles
+    of a K-long loop), so K is cut into 1024-long segments that decode runs as parallel programs.
+    Everything else is one segment.
+    """
+    if K >= 4096 and N <= 2048 and K % SEGMENT_LEN == 0:
+        return K // SEGMENT_LEN
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    tma: bool = False
+    # segmented shapes only: one program per (tile, segment) + ordered reduce kernel
+    split: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+                f"{'_tma' if self.tma else ''}{'_split' if self.split else ''}")
+
+
+def _c(bm, bn, bk, w, s, g=8, tma=False, split=False) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, w, s, g, tma, split)
+
+
+# Every config here must give identical bits (test_gemm_all_configs_identical). The dispatcher
+# (pick_config) chooses among them by M, N and whether the shape is segmented. Kept small: each one
+# is compiled on first use.
+CONFIGS = {
+    # decode: mma.sync (BLOCK_M 16 / 64 < one wgmma per warpgroup), pointer loads, deep K pipelines
+    "d16_n32": _c(16, 32, 256, 4, 4),
+    "d16_n64": _c(16, 64, 256, 4, 4),
+    "d64_n64": _c(64, 64, 128, 4, 4),
+    # mid M: wgmma + TMA
+    "m64_n128": _c(64, 128, 64, 4, 4),
+    "m64_n128_tma": _c(64, 128, 64, 4, 4, tma=True),
+    # prefill: wgmma + TMA, large tiles
+    "p128_n128_tma_s5": _c(128, 128, 64, 8, 5, tma=True),
+    "p256_n128_tma": _c(256, 128, 64, 8, 3, tma=True),
+    "p256_n128_tma_s4": _c(256, 128, 64, 8, 4, tma=True),
+    "p128_n256_tma": _c(128, 256, 64, 8, 3, tma=True),
+    # segmented shapes, small M: one program per (tile, segment), ordered reduce kernel
+    "d16_n64_split": _c(16, 64, 256, 4, 4, split=True),
+    "m64_n128_split": _c(64, 128, 64, 4, 4, split=True),
+}
+
+
+def pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:
+    """Fastest measured config for this M (H200 sweep, benchmarks/gpu_kernels.py --sweep).
+
+    The choice may depend on M freely: every config gives the same bits for a given (K, N,
+    k_segments). Only the segmentation (an argument here) is fixed per layer.
+    """
+    if k_segments > 1:
+        if M <= 256:
+            return CONFIGS["m64_n128_split"]
+        if M <= 1024:
+            return CONFIGS["p128_n128_tma_s5"]
+        return CONFIGS["p128_n256_tma"]
+    if M <= 16:
+        return CONFIGS["d16_n32" if N <= 4096 else "d16_n64"]
+    if M <= 64:
+        return CONFIGS["d64_n64"]
+    if M <= 128:
+        return CONFIGS["d64_n64" if N <= 4096 else "m64_n128_tma"]
+    if M <= 1024:
+        return CONFIGS["p128_n128_tma_s5"]
+    return CONFIGS["p256_n128_tma"]
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % width) % gsize)
+    pid_n = (pid % width) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
+def _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, k_lo, k_hi, M, N, K,
+             stride_xm, stride_xk, stride_wn, stride_wk,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             TMA: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+             IEEE: tl.constexpr):
+    """fp32 dot chain over K in [k_lo, k_hi), starting from zero, K ascending."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            a = x_desc.load([off_m, k])
+            b = w_desc.load([off_n, k])
+            if IEEE:
+                acc = tl.dot(a, b.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+    else:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mask_m = rm < M
+        mask_n = rn < N
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k + rk
+            xp = x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk
+            wp = w_ptr + rn[:, None] * stride_wn + kk[None, :] * stride_wk
+            if EVEN_K:
+                a = tl.load(xp, mask=mask_m[:, None], other=0.0)
+                b = tl.load(wp, mask=mask_n[:, None], other=0.0)
+            else:
+                a = tl.load(xp, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+                b = tl.load(wp, mask=mask_n[:, None] & (kk[None, :] < K), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, bias_ptr,
+                 M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                 stride_os, SEG_LEN,
+                 NUM_SEGS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        # one segment per program; fp32 partial to workspace[s, M, N]
+        s = tl.program_id(1)
+        acc = _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, s * SEG_LEN, (s + 1) * SEG_LEN,
+                       M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, TMA, EVEN_K, NUM_STAGES, IEEE)
+        op = out_ptr + s * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on
+        tl.store(op, acc, mask=mask)
+    else:
+        if NUM_SEGS == 1:
+            total = _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, 0, K, M, N, K,
+                             stride_xm, stride_xk, stride_wn, stride_wk,
+                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, EVEN_K, NUM_STAGES, IEEE)
+        else:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, NUM_SEGS):
+                part = _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, s * SEG_LEN,
+                                (s + 1) * SEG_LEN, M, N, K, stride_xm, stride_xk, stride_wn,
+                                stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, EVEN_K, NUM_STAGES, IEEE)
+                total = total + part
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            total = total + bias[None, :]
+        op = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
+        tl.store(op, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reduce_segments_kernel(ws_ptr, out_ptr, bias_ptr, MN, N, stride_s,
+                            NUM_SEGS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = ((0 + p0) + p1) + ... (+ bias), rounded once. ws is [NUM_SEGS, M, N] contiguous."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, NUM_SEGS):
+        total = total + tl.load(ws_ptr + s * stride_s + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+
+
+def _tma_ok(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    if TensorDescriptor is None:
+        return False
+    for t in (x2, w):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def matmul(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    k_segments: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """2-D invariant GEMM: ``x2[M, K] @ w[N, K].T (+ bias)`` -> ``[M, N]`` (no autograd)."""
+    M, K = x2.shape
+    N, Kw = w.shape
+    if Kw != K:
+        raise ValueError(f"matmul: x has K={K} but weight is {tuple(w.shape)}")
+    if x2.dtype != w.dtype:
+        raise ValueError(f"matmul: x dtype {x2.dtype} != weight dtype {w.dtype}")
+    odt = out_dtype or x2.dtype
+    nseg = default_k_segments(K, N) if k_segments is None else int(k_segments)
+    if nseg < 1 or K % nseg:
+        raise ValueError(f"matmul: K={K} is not divisible into k_segments={nseg}")
+    seg_len = K // nseg
+    cfg = config or pick_config(M, K, N, nseg)
+    if out is None:
+        out = torch.empty(M, N, device=x2.device, dtype=odt)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(odt)
+        return out
+    block_k = cfg.block_k
+    num_stages = cfg.num_stages
+    if x2.element_size() == 4:  # fp32 operands: half the K tile, fewer stages (shared memory)
+        block_k = max(16, block_k // 2)
+        num_stages = min(num_stages, 3)
+    if nseg > 1 and seg_len % block_k:
+        bk_max, block_k = block_k, 16  # segment boundaries must fall on BLOCK_K steps (bits are unaffected)
+        while block_k * 2 <= bk_max and seg_len % (block_k * 2) == 0:
+            block_k *= 2
+        if seg_len % block_k:
+            raise ValueError(f"matmul: segment length {seg_len} is not a multiple of 16")
+    even_k = seg_len % block_k == 0
+    tma = cfg.tma and even_k and _tma_ok(x2, w)
+    if tma:
+        x_desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, block_k])
+    else:
+        x_desc = w_desc = None
+    has_bias = bias is not None
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    split = cfg.split and nseg > 1
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+                  TMA=tma, EVEN_K=even_k, NUM_STAGES=num_stages, num_warps=cfg.num_warps,
+                  IEEE=x2.dtype == torch.float32)
+    if split:
+        ws = torch.empty(nseg, M, N, device=x2.device, dtype=torch.float32)
+        _gemm_kernel[(tiles, nseg)](
+            x2, w, x_desc, w_desc, ws, ws, M, N, K, x2.stride(0), x2.stride(1), w.stride(0),
+            w.stride(1), ws.stride(1), ws.stride(2), ws.stride(0), seg_len,
+            NUM_SEGS=nseg, SPLIT=True, HAS_BIAS=False, **common)
+        if not out.is_contiguous():
+            raise ValueError("matmul: out must be contiguous")
+        BLOCK = 1024
+        _reduce_segments_kernel[(triton.cdiv(M * N, BLOCK),)](
+            ws, out, bias if has_bias else ws, M * N, N, ws.stride(0),
+            NUM_SEGS=nseg, HAS_BIAS=has_bias, BLOCK=BLOCK, num_warps=4)
+    else:
+        _gemm_kernel[(tiles, 1)](
+            x2, w, x_desc, w_desc, out, bias if has_bias else out, M, N, K, x2.stride(0),
+            x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), 0, seg_len,
+            NUM_SEGS=nseg, SPLIT=False, HAS_BIAS=has_bias, **common)
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    k_segments: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+) -> torch.Tensor:
+    """Row-invariant ``x[..., K] @ weight[N, K].T + bias`` on CUDA -> ``[..., N]`` in ``out_dtype``.
+
+    ``k_segments=None`` uses :func:`default_k_segments` (a function of (K, N) only); pass the
+    row-parallel segment count explicitly to match the other side. Differentiable (backward: plain
+    ``F.linear`` in fp32, not invariant).
+    """
+    from .._common import with_reference_grad
+
+    K = x.shape[-1]
+    N = weight.shape[0]
+    odt = out_dtype or x.dtype
+
+    def fwd(x_, w_, b_):
+        x2 = x_.reshape(-1, K)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = matmul(x2, w_, b_, out_dtype=odt, k_segments=k_segments, config=config)
+        return y.reshape(*x_.shape[:-1], N)
+
+    def ref(x_, w_, b_):
+        y = torch.nn.functional.linear(x_.float(), w_.float(), None if b_ is None else b_.float())
+        return y.to(odt)
+
+    return with_reference_grad(fwd, ref, x, weight, bias)

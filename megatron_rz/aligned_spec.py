@@ -1,0 +1,521 @@
+"""Aligned ("trainer-inference invariant") Megatron-Core modules: every op of the forward is a
+`kernels` op, so the learner's token log-probs are bitwise those of
+`vllm_bridge.aligned.reference.reference_logprobs` (and of the aligned vLLM model) for the same
+weights and tokens, whatever the micro-batch size, the batch composition, right padding, TP (1/2)
+or EP (1/2).
+
+The modules subclass Megatron's own (same parameters, names, TP attributes and gradient plumbing,
+so hf_convert, DDP and the optimizer are unchanged); only `forward` is replaced. `aligned_layer_spec`
+rewrites a local GPT layer spec to use them; `alignify_output_layer` swaps the class of GPTModel's
+output layer (GPTModel builds it directly, not from a spec).
+
+Row-parallel rule (K segmentation; both engines must use the same):
+
+    ROW_PARALLEL_K_SEGMENTS = 2 for EVERY o_proj (attention linear_proj) and EVERY down_proj
+    (dense MLP, shared experts and routed experts): kernels.linear(x, W, k_segments=2).
+    Every other linear (q/k/v/qkv, q_a/q_b, kv_a/kv_b, gate/up, router gate, lm_head): k_segments=1.
+
+Why 2: a row-parallel layer splits K over the TP ranks; rank r computes the fp32 partials of its
+K/tp columns, the partials are all-gathered and added in rank order (`kernels.sum_partials`), which
+equals the one-rank `kernels.linear(..., k_segments=tp)` bitwise. With a FIXED segment count s that
+every TP degree in use divides (s = 2 covers TP = 1 and 2), a TP=t rank computes s/t segment partials
+of its shard and all s partials are added in segment order: TP=1 and TP=2 give the same bits, and a
+TP=1 vLLM engine just calls `linear(..., k_segments=2)`. Routed experts are not TP-split here
+(etp = 1) but use the same rule, so the rule is "every o_proj/down_proj" (and etp=2 would also work).
+The K dims (heads * v_head_dim, intermediate sizes) must be even. To support TP=4 later, s = 4.
+
+Other collectives are exact by construction: sequence-parallel all-gathers, the vocab-parallel
+embedding's reduce (one non-zero term per element), the vocab gather of the logits, and the MoE
+expert-output return (each (token, slot) is non-zero on exactly one rank of the tp-ep group, so the
+reduce-scatter adds exact zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import kernels
+
+ROW_PARALLEL_K_SEGMENTS = kernels.ROW_PARALLEL_K_SEGMENTS
+
+
+# ------------------------------------------------------------------ linears
+
+
+def _gather_seq(x, group):
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+
+
+def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+class _RowParallelAligned(torch.autograd.Function):
+    """Row-parallel linear over a TP group: per-segment fp32 partials, all-gathered, added in global
+    segment order, rounded once; with sequence parallelism each rank keeps its sequence chunk.
+    Backward: the plain row-parallel gradient (all-gather of the output grad under SP)."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, segments, sp):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.sp = group, sp
+        tp = dist.get_world_size(group)
+        local = segments // tp
+        K = x.shape[-1]
+        step = K // local
+        parts = [kernels.linear_partial(x[..., i * step : (i + 1) * step], w[:, i * step : (i + 1) * step])
+                 for i in range(local)]
+        mine = torch.stack(parts, dim=0)  # [local, ..., N] fp32
+        gathered = [torch.empty_like(mine) for _ in range(tp)]
+        dist.all_gather(gathered, mine.contiguous(), group=group)
+        allp = [g[i] for g in gathered for i in range(local)]  # rank order, then segment order
+        if sp:  # only this rank's sequence chunk is needed (elementwise adds: same bits)
+            me = dist.get_rank(group)
+            allp = [p.chunk(tp, dim=0)[me] for p in allp]
+        return kernels.finish_linear(kernels.sum_partials(allp), None, x.dtype).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        if ctx.sp:
+            g = _all_gather_first_dim(g, ctx.group)
+        gx = torch.matmul(g.to(w.dtype), w).to(x.dtype)
+        gw = torch.matmul(g.reshape(-1, g.shape[-1]).t().to(x.dtype), x.reshape(-1, x.shape[-1])).to(w.dtype)
+        return gx, gw, None, None, None
+
+
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, group, sp: bool,
+                        segments: int = ROW_PARALLEL_K_SEGMENTS) -> torch.Tensor:
+    """Aligned row-parallel linear: bitwise `kernels.linear(x_full, W_full, k_segments=segments)`."""
+    tp = 1 if group is None else dist.get_world_size(group)
+    if segments % tp:
+        raise ValueError(f"aligned row-parallel linear: k_segments={segments} is not divisible by tp={tp}")
+    if tp == 1:
+        return kernels.linear(x, w, k_segments=segments)
+    return _RowParallelAligned.apply(x, w, group, segments, sp)
+
+
+def _column_forward(self, input_, weight=None, runtime_gather_output=None):
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+    )
+
+    if weight is None:
+        weight = self.weight
+    tp = 1 if self.tp_group is None else self.tp_group.size()
+    if tp > 1 and not self.explicit_expert_comm:
+        if self.sequence_parallel:
+            input_ = _gather_seq(input_, self.tp_group)
+        else:
+            input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+    out_dtype = getattr(self, "aligned_out_dtype", None)
+    bias = self.bias if not self.skip_bias_add else None
+    out = kernels.linear(input_, weight, bias, out_dtype=out_dtype)
+    gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+    if gather and tp > 1:
+        out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+    return out, (self.bias if self.skip_bias_add else None)
+
+
+def _make_linear_classes():
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class AlignedColumnParallelLinear(ColumnParallelLinear):
+        """Column-parallel linear through `kernels.linear` (each output element is computed as on
+        one rank, so TP shards are bitwise the TP=1 columns). Sequence-parallel input is gathered."""
+
+        forward = _column_forward
+
+    class AlignedRowParallelLinear(RowParallelLinear):
+        """Row-parallel linear: `kernels.linear(..., k_segments=ROW_PARALLEL_K_SEGMENTS)` at TP=1;
+        per-rank fp32 segment partials, all-gathered and added in rank order at TP>1."""
+
+        def forward(self, input_):
+            if not self.input_is_parallel:
+                raise NotImplementedError("aligned RowParallelLinear expects input_is_parallel=True")
+            if self.bias is not None and not self.skip_bias_add:
+                # kernels add a bias in fp32 before the single rounding; not needed by the
+                # supported architectures (add_bias_linear=False), so not implemented.
+                raise NotImplementedError("aligned RowParallelLinear: fused bias is not supported")
+            if self.explicit_expert_comm:
+                out = kernels.linear(input_, self.weight, k_segments=ROW_PARALLEL_K_SEGMENTS)
+            else:
+                out = row_parallel_linear(input_, self.weight, self.tp_group, self.sequence_parallel)
+            return out, (self.bias if self.skip_bias_add else None)
+
+    return AlignedColumnParallelLinear, AlignedRowParallelLinear
+
+
+def _make_replicated_linear():
+    from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+
+    class AlignedReplicatedLinear(ReplicatedLinear):
+        """TP-replicated linear (MLA kv down-projection) through `kernels.linear`."""
+
+        def forward(self, input, /):  # noqa: A002
+            return kernels.linear(input, self.weight, self.bias), None
+
+    return AlignedReplicatedLinear
+
+
+# ------------------------------------------------------------------ norm, attention
+
+
+class AlignedRMSNorm(torch.nn.Module):
+    """`kernels.rms_norm` (HF order: normalise in fp32, round, multiply by the weight in fp32)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, rotary_dim: int, base: float):
+    """float64 tables rounded once (kernels.rope_cos_sin) for positions 0..seq_len-1, shaped
+    [s, 1, r/2] to broadcast over Megatron's [s, b, heads, dim] layout."""
+    cos, sin = kernels.rope_cos_sin(torch.arange(seq_len), rotary_dim, float(base))
+    return cos[:, None, :], sin[:, None, :]
+
+
+class AlignedCoreAttention(torch.nn.Module):
+    """Causal attention through `kernels.causal_attention` on Megatron's [s, b, heads, dim] tensors
+    (right padding, token i at position i). With `rope_dim` > 0 it first applies neox RoPE to q and
+    k (Qwen3: after the q/k norms, as Megatron's SelfAttention would; the model is built with
+    position_embedding_type="none" so Megatron applies none itself). Scale = head_dim ** -0.5 as a
+    Python float, the reference's expression."""
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
+                 cp_comm_type=None, pg_collection=None, rope_dim: int = 0, rope_base: float = 10000.0, **_):
+        super().__init__()
+        self.config = config
+        self.rope_dim, self.rope_base = rope_dim, rope_base
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **_):
+        assert packed_seq_params is None, "packed sequences are not supported by AlignedCoreAttention"
+        sq, b, nh, d = query.shape
+        assert key.shape[0] == sq, "aligned attention expects full sequences (no KV cache)"
+        if self.rope_dim:
+            cos, sin = rope_tables(sq, self.rope_dim, self.rope_base)
+            query = kernels.apply_rope(query, cos, sin, "neox")
+            key = kernels.apply_rope(key, cos, sin, "neox")
+        scale = float(d ** (-0.5))
+        q = query.transpose(0, 1)
+        k = key.transpose(0, 1)
+        v = value.transpose(0, 1)
+        out = kernels.causal_attention(q, k, v, scale)  # [b, s, h, dv]
+        return out.transpose(0, 1).reshape(sq, b, nh * value.shape[-1])
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def _make_mla():
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class AlignedMLASelfAttention(MLASelfAttention):
+        """MLA with the reference's RoPE: rope dims of q and k_pe de-interleaved (an exact
+        permutation; HF's / Megatron's MLA layout) then neox-rotated with kernels tables; q and k
+        are [nope | rope] per head, as in reference.dsv3_qkv. Training/full-sequence only."""
+
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                        packed_seq_params=None, inference_context=None, *,
+                                        inference_params=None):
+            assert packed_seq_params is None and inference_context is None and inference_params is None
+            cfg = self.config
+            tp = 1 if self.tp_group is None else self.tp_group.size()
+            if cfg.q_lora_rank is not None:
+                q_compressed, _ = self.linear_q_down_proj(hidden_states)
+                if q_compressed.size(-1) != cfg.q_lora_rank:
+                    q_compressed = gather_from_tensor_model_parallel_region(q_compressed)
+                    if cfg.sequence_parallel:
+                        q_compressed = scatter_to_sequence_parallel_region(q_compressed)
+                q_compressed = self.q_layernorm(q_compressed)
+                q, _ = self.linear_q_up_proj(q_compressed)
+            else:
+                q_compressed = hidden_states
+                q, _ = self.linear_q_proj(hidden_states)
+            kv_combined, _ = self.linear_kv_down_proj(hidden_states)
+            if kv_combined.size(-1) != cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim:
+                kv_combined = gather_from_tensor_model_parallel_region(kv_combined)
+                kv_compressed, k_pos_emb = torch.split(
+                    kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+                if cfg.sequence_parallel:
+                    kv_compressed = scatter_to_sequence_parallel_region(kv_compressed)
+            else:
+                kv_compressed, k_pos_emb = torch.split(
+                    kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+                if tp > 1 and cfg.sequence_parallel:
+                    k_pos_emb = _gather_seq(k_pos_emb, self.tp_group)
+            kv_compressed = self.kv_layernorm(kv_compressed)
+            kv, _ = self.linear_kv_up_proj(kv_compressed)
+
+            n = self.num_attention_heads_per_partition
+            s, b = q.shape[0], q.shape[1]
+            q = q.view(s, b, n, self.q_head_dim)
+            kv = kv.view(s, b, n, cfg.qk_head_dim + cfg.v_head_dim)
+            q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+            k_nope, value = torch.split(kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
+            cos, sin = rope_tables(s, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+            q_pe = kernels.apply_rope(_deinterleave(q_pe), cos, sin, "neox")
+            k_pe = kernels.apply_rope(_deinterleave(k_pos_emb.unsqueeze(-2)), cos, sin, "neox")
+            query = torch.cat([q_nope, q_pe], dim=-1)
+            key = torch.cat([k_nope, k_pe.expand(-1, -1, n, -1)], dim=-1)
+            return query, key, value.contiguous(), q_compressed, kv_compressed
+
+    return AlignedMLASelfAttention
+
+
+# ------------------------------------------------------------------ MLP / MoE
+
+
+def aligned_mlp_forward(mlp, hidden_states: torch.Tensor) -> torch.Tensor:
+    """fc1 (merged [gate; up] shard, column-parallel) -> kernels.swiglu -> fc2 (row-parallel).
+    Bitwise kernels.expert_mlp with the down projection at k_segments=ROW_PARALLEL_K_SEGMENTS."""
+    h, _ = mlp.linear_fc1(hidden_states)
+    i = h.shape[-1] // 2
+    out, _ = mlp.linear_fc2(kernels.swiglu(h[..., :i], h[..., i:]))
+    return out
+
+
+def expert_forward(x: torch.Tensor, w_fc1: torch.Tensor, w_fc2: torch.Tensor) -> torch.Tensor:
+    """One routed expert on its token rows (not TP-split): merged gate/up, swiglu, down with the
+    row-parallel K rule."""
+    gu = kernels.linear(x, w_fc1)
+    i = w_fc1.shape[0] // 2
+    return kernels.linear(kernels.swiglu(gu[..., :i], gu[..., i:]), w_fc2, k_segments=ROW_PARALLEL_K_SEGMENTS)
+
+
+def _make_mlp_classes():
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
+
+    class AlignedMLP(MLP):
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            return aligned_mlp_forward(self, hidden_states), None
+
+    class AlignedSharedExpertMLP(SharedExpertMLP):
+        def forward(self, hidden_states):
+            assert not self.use_shared_expert_gate, "aligned mode: shared expert gate unsupported"
+            return aligned_mlp_forward(self, hidden_states)
+
+    class AlignedMoELayer(MoELayer):
+        """Router (kernels.router_logits + kernels.route, HF semantics), routed experts computed per
+        (token, slot) row, outputs returned to the token's rank exactly, `kernels.moe_combine` in
+        slot order plus the shared expert. Megatron's token dispatcher is not used (its unpermute
+        adds expert outputs in an order that depends on the batch)."""
+
+        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
+                     router_score: str = "softmax", norm_topk_prob: bool = True, num_groups: int = 1,
+                     group_topk: Optional[int] = None, scaling_factor: float = 1.0, **kw):
+            super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection, **kw)
+            self.aligned_route = dict(score=router_score, norm_topk_prob=norm_topk_prob,
+                                      num_groups=num_groups, group_topk=group_topk,
+                                      scaling_factor=scaling_factor)
+            if config.expert_tensor_parallel_size != 1:
+                raise NotImplementedError("aligned MoE supports expert_tensor_parallel_size=1 only")
+
+        def _route(self, x):
+            r = self.router
+            p = self.aligned_route
+            k = self.config.moe_router_topk
+            if p["score"] == "softmax":  # Qwen3-MoE: logits rounded like HF's nn.Linear
+                logits = kernels.router_logits(x, r.weight, out_dtype=x.dtype)
+                ids, w = kernels.route(logits, k, score="softmax", norm_topk_prob=p["norm_topk_prob"])
+                return ids, w.to(x.dtype)
+            logits = kernels.router_logits(x, r.weight, out_dtype=torch.float32)
+            bias = getattr(r, "expert_bias", None)
+            return kernels.route(
+                logits, k, score="sigmoid", expert_bias=bias, num_groups=p["num_groups"],
+                group_topk=p["group_topk"], norm_topk_prob=p["norm_topk_prob"],
+                scaling_factor=p["scaling_factor"])
+
+        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None, **_):
+            s, b, H = hidden_states.shape
+            x = hidden_states.reshape(s * b, H)
+            ids, wts = self._route(x)
+            k = ids.shape[1]
+            group = self.token_dispatcher.tp_ep_group
+            G = 1 if group is None else group.size()
+            if G > 1:
+                x_all = _gather_seq(x, group)
+                ids_all = _all_gather_first_dim(ids, group)
+            else:
+                x_all, ids_all = x, ids
+            T = x_all.shape[0]
+            flat = ids_all.reshape(-1)
+            y = x_all.new_zeros(T * k, H)
+            for li, e in enumerate(self.local_expert_indices):
+                # An expert with no tokens still runs (on 0 rows): the graph then always links y to
+                # x_all, so every rank of the group runs the same backward collectives.
+                sel = (flat == e).nonzero().squeeze(1)
+                tok = torch.div(sel, k, rounding_mode="floor")
+                ex = self.experts.local_experts[li]
+                y = y.index_copy(0, sel, expert_forward(x_all[tok], ex.linear_fc1.weight, ex.linear_fc2.weight))
+            if G > 1:  # each (token, slot) is non-zero on exactly one rank: the sum is exact
+                y = reduce_scatter_to_sequence_parallel_region(y, group=group)
+            shared = None
+            if self.use_shared_expert:
+                shared = aligned_mlp_forward(self.shared_experts, hidden_states).reshape(s * b, H)
+            out = kernels.moe_combine(y.view(s * b, k, H), wts, shared, out_dtype=x.dtype)
+            return out.view(s, b, H), None
+
+    return AlignedMLP, AlignedSharedExpertMLP, AlignedMoELayer
+
+
+# ------------------------------------------------------------------ spec rewriting
+
+
+_CLASSES: dict = {}
+# MLA picks the constructor kwargs of its down projections by exact class (`in [Linear, ...]`):
+# these keep the Megatron class in the spec and get the aligned forward by `alignify_model`.
+_KEEP_IN_SPEC = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def _classes() -> dict:
+    """{megatron class: aligned class} (built lazily: megatron imports are heavy)."""
+    if _CLASSES:
+        return _CLASSES
+    from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    col, row = _make_linear_classes()
+    mlp, shared, moe = _make_mlp_classes()
+    _CLASSES.update({
+        ColumnParallelLinear: col,
+        RowParallelLinear: row,
+        ReplicatedLinear: _make_replicated_linear(),
+        MLP: mlp,
+        SharedExpertMLP: shared,
+        MoELayer: moe,
+        MLASelfAttention: _make_mla(),
+    })
+    return _CLASSES
+
+
+def _rewrite(obj, table, norm_cls, core_cls):
+    """Recursively replace module classes inside a ModuleSpec / submodules dataclass tree."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(obj, ModuleSpec):
+        obj.module = _rewrite(obj.module, table, norm_cls, core_cls)
+        if obj.submodules is not None:
+            obj.submodules = _rewrite(obj.submodules, table, norm_cls, core_cls)
+        return obj
+    if isinstance(obj, type):
+        if obj is norm_cls:
+            return AlignedRMSNorm
+        if obj is core_cls:
+            return AlignedCoreAttention
+        return table.get(obj, obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.name in _KEEP_IN_SPEC:
+                continue
+            setattr(obj, f.name, _rewrite(getattr(obj, f.name), table, norm_cls, core_cls))
+        return obj
+    return obj
+
+
+def aligned_layer_spec(spec, model_cfg, norm_cls, core_cls):
+    """Rewrite a (fast-mode) layer spec in place into the aligned one and return it.
+
+    `norm_cls` / `core_cls` are the fast mode's RMSNorm / CoreAttention classes to replace."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    import copy
+
+    m = model_cfg
+    table = _classes()
+    spec = copy.deepcopy(spec)  # never mutate specs megatron might share between calls
+    _rewrite(spec, table, norm_cls, core_cls)
+    attn = spec.submodules.self_attention.submodules
+    if m.arch == "qwen3_moe":
+        attn.core_attention = ModuleSpec(module=AlignedCoreAttention,
+                                         params={"rope_dim": m.head_dim, "rope_base": float(m.rope_theta)})
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, ModuleSpec) and mlp.module is table[_moe_base()]:
+        mlp.params = dict(mlp.params or {})
+        mlp.params.update(
+            router_score=m.router_score,
+            norm_topk_prob=m.norm_topk_prob,
+            num_groups=m.router_num_groups,
+            group_topk=m.router_group_topk if m.router_num_groups > 1 else None,
+            scaling_factor=m.routed_scaling_factor if m.router_score == "sigmoid" else 1.0,
+        )
+    return spec
+
+
+def _moe_base():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return MoELayer
+
+
+def alignify_model(model, norm_cls, core_cls) -> None:
+    """After GPTModel is built: give the modules the spec could not carry the aligned forward by
+    swapping their class (same parameters and attributes; the aligned classes only override
+    `forward`): GPTModel's output_layer (built directly as a ColumnParallelLinear; it then returns
+    fp32 logits, the reference's `final_logits`) and MLA's down projections. Then check that no
+    module with Megatron's own numerics is left."""
+    table = _classes()
+    swappable = {k: v for k, v in table.items() if k.__name__ in ("ColumnParallelLinear", "RowParallelLinear", "Linear")}
+    out_layer = getattr(model, "output_layer", None)
+    for name, mod in model.named_modules():
+        if ".experts.local_experts." in name + ".":
+            continue  # routed experts are computed by AlignedMoELayer from their weights
+        cls = type(mod)
+        if cls in swappable:
+            mod.__class__ = swappable[cls]
+        elif cls in table or cls in (norm_cls, core_cls):
+            raise AssertionError(f"aligned model: module {name} still has fast-mode class {cls.__name__}")
+    if out_layer is not None:
+        out_layer.aligned_out_dtype = torch.float32
+    # DeepSeek-V3's e_score_correction_bias is an fp32 statistic (fp32 in HF checkpoints and in
+    # vLLM); model.to(bf16) would round it and could change the chosen experts. Keep it fp32.
+    for mod in model.modules():
+        if isinstance(getattr(mod, "expert_bias", None), torch.Tensor):
+            mod.expert_bias = mod.expert_bias.float()
+
+
+def check_aligned_supported(model_cfg, parallel) -> None:
+    m, p = model_cfg, parallel
+    if p.etp != 1:
+        raise NotImplementedError("aligned mode: parallel.etp must be 1")
+    if ROW_PARALLEL_K_SEGMENTS % p.tp:
+        raise NotImplementedError(
+            f"aligned mode: parallel.tp={p.tp} must divide ROW_PARALLEL_K_SEGMENTS={ROW_PARALLEL_K_SEGMENTS}")
+    if p.pp != 1:
+        raise NotImplementedError("aligned mode: pipeline parallelism is not supported")
+    ks = [m.moe_ffn_hidden_size, m.dense_ffn_hidden_size]
+    ks.append(m.num_attention_heads * (m.v_head_dim if m.arch == "deepseek_v3" else m.head_dim))
+    if m.num_shared_experts:
+        ks.append(m.num_shared_experts * m.moe_ffn_hidden_size)
+    for K in ks:
+        if K % ROW_PARALLEL_K_SEGMENTS:
+            raise ValueError(f"aligned mode: row-parallel K={K} not divisible by {ROW_PARALLEL_K_SEGMENTS}")
