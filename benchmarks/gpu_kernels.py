@@ -1,0 +1,216 @@
+"""Benchmark the Triton aligned ops against cuBLAS / torch, side by side in one process.
+
+    PYTHONPATH=. python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels_h200.json
+    PYTHONPATH=. python benchmarks/gpu_kernels.py --sweep --out sweep.json   # every GEMM config
+
+Timing: each op is captured ITERS times into a CUDA graph (cycling through several weight / input
+copies so that the weights do not sit in L2), the graph is replayed REPS times, and the median per-op
+time is reported. The baseline is measured the same way in the same process: default cuBLAS
+(``x @ W.T``, bf16, with its workspace, i.e. the batch-variant library path) for GEMM,
+``F.rms_norm`` for RMSNorm and ``(logits.float() / T).log_softmax(-1).gather`` for log-probs.
+ratio = baseline time / Triton time (>= 1: Triton as fast or faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+
+GEMM_SHAPES = [(4096, 4096), (7168, 2048), (2048, 7168), (4096, 14336), (14336, 4096)]  # (K, N)
+GEMM_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+L2_BYTES = 50 * 2**20
+
+
+def bench_graph(make_fn, n_copies: int, iters: int = 24, reps: int = 15) -> float:
+    """Median ms per call; make_fn(i) returns a no-arg callable for copy i."""
+    fns = [make_fn(i) for i in range(n_copies)]
+    for f in fns:  # warm-up / compile outside the graph
+        f()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(iters):
+            fns[i % n_copies]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    del g
+    return statistics.median(times)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(8, -(-3 * L2_BYTES // max(nbytes, 1))))
+
+
+def gemm_case(K, N, M, config=None):
+    from kernels.triton.gemm import matmul
+
+    n = _copies(N * K * 2 + M * K * 2)
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(n)]
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    t_cublas = bench_graph(lambda i: (lambda: xs[i] @ ws[i].T), n)
+    t_triton = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], config=config)), n)
+    del ws, xs
+    return t_cublas, t_triton
+
+
+def run_sweep(args):
+    from kernels.triton.gemm import CONFIGS, default_k_segments
+
+    rows = []
+    for K, N in GEMM_SHAPES:
+        nseg = default_k_segments(K, N)
+        for M in args.ms:
+            from kernels.triton.gemm import matmul
+
+            n = _copies(N * K * 2 + M * K * 2)
+            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(n)]
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            t_cublas = bench_graph(lambda i: (lambda: xs[i] @ ws[i].T), n)
+            res = {}
+            for name, cfg in CONFIGS.items():
+                if cfg.split and nseg == 1:
+                    continue
+                if cfg.block_m >= 128 and M <= 32 or cfg.block_m <= 32 and M > 1024:
+                    continue
+                try:
+                    res[name] = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], config=cfg)), n)
+                except Exception as e:  # noqa: BLE001 (out of resources etc.)
+                    res[name] = None
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            ok = {k: v for k, v in res.items() if v}
+            best = min(ok, key=ok.get)
+            print(f"K={K:6d} N={N:6d} nseg={nseg} M={M:5d} cublas {t_cublas*1e3:8.1f}us  best {best:22s}"
+                  f" {ok[best]*1e3:8.1f}us ratio {t_cublas/ok[best]:.2f}  | "
+                  + " ".join(f"{k}={v*1e3:.0f}" for k, v in sorted(ok.items(), key=lambda kv: kv[1])[:5]),
+                  flush=True)
+            rows.append(dict(K=K, N=N, M=M, nseg=nseg, cublas_ms=t_cublas, configs=res, best=best))
+            del ws, xs
+    return {"sweep": rows}
+
+
+def run_main(args):
+    from kernels.triton import logprobs_from_logits, rms_norm
+    from kernels.triton.gemm import default_k_segments, pick_config
+
+    out = {"gemm": [], "rmsnorm": [], "logprobs": []}
+    print(f"{'K':>6} {'N':>6} {'M':>5} {'config':>22} {'cuBLAS us':>10} {'triton us':>10} {'TF/s':>7} {'ratio':>6}")
+    for K, N in GEMM_SHAPES:
+        nseg = default_k_segments(K, N)
+        for M in args.ms:
+            t_c, t_t = gemm_case(K, N, M)
+            cfg = pick_config(M, K, N, nseg)
+            tf = 2 * M * N * K / (t_t * 1e-3) / 1e12
+            print(f"{K:6d} {N:6d} {M:5d} {cfg.name:>22} {t_c*1e3:10.1f} {t_t*1e3:10.1f} {tf:7.1f} {t_c/t_t:6.2f}",
+                  flush=True)
+            out["gemm"].append(dict(K=K, N=N, M=M, k_segments=nseg, config=cfg.name, cublas_us=t_c * 1e3,
+                                    triton_us=t_t * 1e3, triton_tflops=tf, ratio=t_c / t_t))
+    print(f"\n{'D':>6} {'rows':>6} {'dtype':>9} {'torch us':>9} {'triton us':>9} {'ratio':>6}")
+    F = torch.nn.functional
+    for D in (128, 4096, 7168):
+        for R in (1, 64, 4096, 32768):
+            for dt in (torch.bfloat16,):
+                n = _copies(R * D * 2 * 2)
+                xs = [torch.randn(R, D, device="cuda", dtype=dt) for _ in range(n)]
+                w = torch.randn(D, device="cuda", dtype=dt)
+                t_ref = bench_graph(lambda i: (lambda: F.rms_norm(xs[i], (D,), w, 1e-6)), n)
+                t_tri = bench_graph(lambda i: (lambda: rms_norm(xs[i], w, 1e-6)), n)
+                print(f"{D:6d} {R:6d} {str(dt)[6:]:>9} {t_ref*1e3:9.1f} {t_tri*1e3:9.1f} {t_ref/t_tri:6.2f}", flush=True)
+                out["rmsnorm"].append(dict(D=D, rows=R, dtype=str(dt), torch_us=t_ref * 1e3,
+                                           triton_us=t_tri * 1e3, ratio=t_ref / t_tri))
+                del xs
+    print(f"\n{'V':>7} {'rows':>6} {'dtype':>9} {'torch us':>9} {'triton us':>9} {'ratio':>6}")
+    for V in (32000, 151936):
+        for R in (1, 64, 1024, 4096):
+            dt = torch.bfloat16
+            n = _copies(R * V * 2)
+            ls = [torch.randn(R, V, device="cuda", dtype=dt) * 4 for _ in range(n)]
+            tg = torch.randint(0, V, (R,), device="cuda")
+            T = 0.7
+
+            def ref(i):
+                return lambda: (ls[i].float() / T).log_softmax(-1, dtype=torch.float32).gather(
+                    -1, tg[:, None]).squeeze(-1)
+
+            t_ref = bench_graph(ref, n)
+            t_tri = bench_graph(lambda i: (lambda: logprobs_from_logits(ls[i], tg, T)), n)
+            print(f"{V:7d} {R:6d} {str(dt)[6:]:>9} {t_ref*1e3:9.1f} {t_tri*1e3:9.1f} {t_ref/t_tri:6.2f}", flush=True)
+            out["logprobs"].append(dict(V=V, rows=R, dtype=str(dt), temperature=T, torch_us=t_ref * 1e3,
+                                        triton_us=t_tri * 1e3, ratio=t_ref / t_tri))
+            del ls
+    try:
+        from kernels.triton import attention  # noqa: F401
+
+        out["attention"] = bench_attention()
+    except ImportError:
+        pass
+    return out
+
+
+def bench_attention():
+    from kernels.triton import attention
+
+    rows = []
+    F = torch.nn.functional
+    print(f"\n{'mode':>8} {'S':>6} {'T':>5} {'torch sdpa us':>13} {'triton us':>9} {'ratio':>6}")
+    Hq, Hkv, D = 32, 8, 128
+    for mode, S, T in (("prefill", 1024, 1024), ("prefill", 4096, 4096), ("decode", 4096, 1), ("decode", 32768, 1)):
+        q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(S - T, S, device="cuda")
+        qt = q.transpose(0, 1)[None]
+        kt = k.transpose(0, 1)[None]
+        vt = v.transpose(0, 1)[None]
+        causal = mode == "prefill"
+        t_ref = bench_graph(lambda i: (lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=causal, enable_gqa=True)), 1, iters=10)
+        t_tri = bench_graph(lambda i: (lambda: attention(q, k, v, pos, D ** -0.5)), 1, iters=10)
+        print(f"{mode:>8} {S:6d} {T:5d} {t_ref*1e3:13.1f} {t_tri*1e3:9.1f} {t_ref/t_tri:6.2f}", flush=True)
+        rows.append(dict(mode=mode, S=S, T=T, Hq=Hq, Hkv=Hkv, D=D, sdpa_us=t_ref * 1e3, triton_us=t_tri * 1e3,
+                         ratio=t_ref / t_tri))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--ms", type=int, nargs="*", default=GEMM_MS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t0 = time.time()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, cuda=torch.version.cuda)
+    res = run_sweep(args) if args.sweep else run_main(args)
+    res["meta"] = meta | {"seconds": time.time() - t0}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(f"done in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

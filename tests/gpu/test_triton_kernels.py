@@ -1,0 +1,347 @@
+"""GPU tests of the Triton aligned ops (kernels/triton): batch invariance, config invariance, accuracy.
+
+Skipped without CUDA. On the GPU machine:
+
+    PYTHONPATH=. python -m pytest tests/gpu/test_triton_kernels.py -q
+    PYTHONPATH=. python tests/gpu/test_triton_kernels.py        # same tests, no pytest needed
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if __name__ == "__main__":  # allow running as a script from the repo root
+    sys.path.insert(0, os.getcwd())
+
+# (K, N): LLM projection shapes (7168x2048 is segmented by default) and small odd ones
+GEMM_SHAPES = [(4096, 4096), (7168, 2048), (2048, 7168), (4096, 14336), (320, 200), (4096, 1000)]
+DTYPES = [torch.bfloat16]
+
+
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def _gen(seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=_gen(seed)) * scale).to(dtype)
+
+
+def _rel_err(y, ref):
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# ------------------------------------------------------------------------------------------ GEMM
+
+
+@pytest.mark.parametrize("K,N", GEMM_SHAPES)
+def test_gemm_row_invariance_all_m(K, N):
+    """Every row of x[:M] @ W.T equals the row computed alone, for every M in 1..256 (+ prefill M)."""
+    _need_cuda()
+    from kernels.triton import linear
+
+    x = _randn(4096, K, seed=1)
+    w = _randn(N, K, seed=2, scale=K ** -0.5)
+    for odt in (torch.bfloat16, torch.float32):
+        single = torch.cat([linear(x[i : i + 1], w, out_dtype=odt) for i in range(256)])
+        for M in list(range(1, 257)):
+            y = linear(x[:M], w, out_dtype=odt)
+            assert torch.equal(y, single[:M]), f"K={K} N={N} M={M} {odt}"
+        for M in (384, 1000, 2048, 4096):  # prefill configs
+            y = linear(x[:M], w, out_dtype=odt)
+            assert torch.equal(y[:256], single), f"K={K} N={N} M={M} {odt}"
+            # a later row alone
+            assert torch.equal(y[M - 1 : M], linear(x[M - 1 : M], w, out_dtype=odt))
+
+
+@pytest.mark.parametrize("K,N", GEMM_SHAPES[:4])
+def test_gemm_random_batches(K, N):
+    """A row's result does not depend on the other rows or its position (random compositions)."""
+    _need_cuda()
+    from kernels.triton import linear
+
+    pool = _randn(512, K, seed=3)
+    w = _randn(N, K, seed=4, scale=K ** -0.5)
+    alone = torch.cat([linear(pool[i : i + 1], w) for i in range(pool.shape[0])])
+    g = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        M = int(torch.randint(1, 2049, (1,), generator=g)) if trial % 4 == 0 else int(
+            torch.randint(1, 257, (1,), generator=g))
+        idx = torch.randint(0, pool.shape[0], (M,), generator=g).cuda()
+        y = linear(pool[idx], w)
+        assert torch.equal(y, alone[idx]), f"trial {trial} M={M}"
+
+
+@pytest.mark.parametrize("K,N", [(4096, 4096), (7168, 2048), (320, 200), (4096, 1000)])
+def test_gemm_all_configs_identical(K, N):
+    """Every config of the dispatcher table gives the same bits (bf16 and fp32 out, with bias)."""
+    _need_cuda()
+    from kernels.triton.gemm import CONFIGS, default_k_segments, matmul
+
+    nseg = default_k_segments(K, N)
+    w = _randn(N, K, seed=6, scale=K ** -0.5)
+    b = _randn(N, seed=7, dtype=torch.float32)
+    for M in (1, 13, 64, 200, 1031):
+        x = _randn(M, K, seed=8 + M)
+        for odt, bias in ((torch.bfloat16, None), (torch.float32, b)):
+            results = {}
+            for name, cfg in CONFIGS.items():
+                if cfg.split and nseg == 1:
+                    continue
+                results[name] = matmul(x, w, bias, out_dtype=odt, config=cfg)
+            first_name, first = next(iter(results.items()))
+            for name, y in results.items():
+                assert torch.equal(y, first), f"K={K} N={N} M={M} {odt}: {name} != {first_name}"
+
+
+def test_gemm_segments_in_kernel_vs_split():
+    """Explicit k_segments: in-kernel loop == split+reduce == per-shard partials added in order."""
+    _need_cuda()
+    from kernels.triton.gemm import CONFIGS, matmul
+
+    K, N = 4096, 1536
+    w = _randn(N, K, seed=9, scale=K ** -0.5)
+    for M in (1, 7, 96, 700):
+        x = _randn(M, K, seed=10 + M)
+        for segs in (2, 4, 8):
+            ys = [matmul(x, w, out_dtype=torch.float32, k_segments=segs, config=cfg)
+                  for cfg in CONFIGS.values()]
+            for y in ys[1:]:
+                assert torch.equal(y, ys[0]), f"M={M} segs={segs}"
+            # row-parallel TP: rank r holds K shard r; partials all-gathered and added in rank order
+            s = K // segs
+            parts = [matmul(x[:, r * s : (r + 1) * s].contiguous(), w[:, r * s : (r + 1) * s].contiguous(),
+                            out_dtype=torch.float32, k_segments=1) for r in range(segs)]
+            acc = torch.zeros_like(parts[0])
+            for p in parts:
+                acc = acc + p
+            assert torch.equal(acc, ys[0]), f"TP composition M={M} segs={segs}"
+
+
+@pytest.mark.parametrize("K,N", GEMM_SHAPES)
+def test_gemm_accuracy(K, N):
+    """fp32 out vs float64: rel err ~ fp32 accumulation; bf16 out within bf16 rounding."""
+    _need_cuda()
+    from kernels.triton import linear
+
+    w = _randn(N, K, seed=11, scale=K ** -0.5)
+    b = _randn(N, seed=12)
+    for M in (1, 77, 1500):
+        x = _randn(M, K, seed=13 + M)
+        ref = x.double() @ w.double().T + b.double()
+        y32 = linear(x, w, b, out_dtype=torch.float32)
+        e32 = _rel_err(y32, ref)
+        y16 = linear(x, w, b)
+        e16 = _rel_err(y16, ref)
+        print(f"K={K} N={N} M={M}: rel err fp32 out {e32:.2e}, bf16 out {e16:.2e}")
+        assert e32 < 1e-5
+        assert y16.dtype == torch.bfloat16 and e16 < 5e-3
+        # fp32 inputs: IEEE fp32 dot (not tf32)
+    xf = _randn(33, K, seed=14, dtype=torch.float32)
+    wf = w.float()
+    ef = _rel_err(linear(xf, wf), xf.double() @ wf.double().T)
+    print(f"K={K} N={N} fp32 inputs: rel err {ef:.2e}")
+    assert ef < 1e-5
+
+
+def test_gemm_strided_and_3d_inputs():
+    _need_cuda()
+    from kernels.triton import linear
+
+    K, N = 1024, 512
+    w = _randn(N, K, seed=15, scale=K ** -0.5)
+    x = _randn(4, 9, K, seed=16)
+    y = linear(x, w)
+    assert y.shape == (4, 9, N)
+    assert torch.equal(y.reshape(-1, N)[5], linear(x.reshape(-1, K)[5:6], w)[0])
+    big = _randn(9, 2 * K, seed=17)
+    xs = big[:, :K]  # row stride 2K
+    assert torch.equal(linear(xs, w), linear(xs.contiguous(), w))
+
+
+def test_gemm_backward_runs():
+    _need_cuda()
+    from kernels.triton import linear
+
+    x = _randn(8, 256, seed=18, dtype=torch.float32).requires_grad_()
+    w = _randn(64, 256, seed=19, dtype=torch.float32).requires_grad_()
+    linear(x, w).square().sum().backward()
+    assert x.grad is not None and w.grad is not None and torch.isfinite(w.grad).all()
+
+
+# --------------------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("D", [64, 128, 1000, 4096, 7168])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_invariance_and_accuracy(D, dtype):
+    _need_cuda()
+    from kernels.norm import rms_norm as cpu_rms_norm
+    from kernels.triton import rms_norm
+
+    pool = _randn(600, D, seed=20, dtype=dtype) * 3
+    w = _randn(D, seed=21, dtype=dtype)
+    alone = torch.cat([rms_norm(pool[i : i + 1], w, 1e-6) for i in range(64)])
+    for M in list(range(1, 65)) + [300, 600]:
+        y = rms_norm(pool[:M], w, 1e-6)
+        assert torch.equal(y[: min(M, 64)], alone[: min(M, 64)]), f"D={D} M={M}"
+    g = torch.Generator().manual_seed(22)
+    for _ in range(10):
+        idx = torch.randint(0, 64, (int(torch.randint(1, 500, (1,), generator=g)),), generator=g).cuda()
+        assert torch.equal(rms_norm(pool[idx], w, 1e-6), alone[idx])
+    ref = cpu_rms_norm(pool.cpu(), w.cpu(), 1e-6)
+    y = rms_norm(pool, w, 1e-6).cpu()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # bf16 outputs: at most one rounding step apart, rarely
+        assert (y != ref).float().mean().item() < 0.01
+    yn = rms_norm(pool, None, 1e-6)
+    assert torch.allclose(yn.float().cpu(), cpu_rms_norm(pool.cpu(), None, 1e-6).float(), rtol=tol, atol=tol)
+
+
+# -------------------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("V", [1000, 32000, 151936])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logprobs_invariance_and_accuracy(V, dtype):
+    _need_cuda()
+    from kernels.triton import logprobs_from_logits
+
+    R = 300
+    logits = _randn(R, V, seed=23, dtype=dtype) * 4
+    targets = torch.randint(0, V, (R,), device="cuda", generator=_gen(24))
+    for T in (1.0, 0.7):
+        alone = torch.cat([logprobs_from_logits(logits[i : i + 1], targets[i : i + 1], T) for i in range(64)])
+        for M in list(range(1, 65)) + [R]:
+            lp = logprobs_from_logits(logits[:M], targets[:M], T)
+            assert torch.equal(lp[:64], alone[: min(M, 64)]), f"V={V} M={M} T={T}"
+        g = torch.Generator().manual_seed(25)
+        for _ in range(8):
+            idx = torch.randint(0, 64, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).cuda()
+            assert torch.equal(logprobs_from_logits(logits[idx], targets[idx], T), alone[idx])
+        ref = (logits.double() / T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+        lp = logprobs_from_logits(logits, targets, T)
+        assert (lp.double() - ref).abs().max().item() < 2e-5
+        tref = (logits.float() / T).log_softmax(-1, dtype=torch.float32).gather(-1, targets[:, None]).squeeze(-1)
+        assert (lp - tref).abs().max().item() < 2e-5
+
+
+def test_token_logprobs_end_to_end_invariance():
+    _need_cuda()
+    from kernels.triton import token_logprobs
+
+    H, V = 2048, 32000
+    hidden = _randn(200, H, seed=26)
+    w = _randn(V, H, seed=27, scale=H ** -0.5)
+    tg = torch.randint(0, V, (200,), device="cuda", generator=_gen(28))
+    full = token_logprobs(hidden, w, tg)
+    for i in (0, 57, 199):
+        assert torch.equal(token_logprobs(hidden[i : i + 1], w, tg[i : i + 1]), full[i : i + 1])
+    ref = (hidden.double() @ w.double().T).log_softmax(-1).gather(-1, tg[:, None]).squeeze(-1)
+    assert (full.double() - ref).abs().max().item() < 0.1  # bf16 logits
+
+
+# ------------------------------------------------------------------------------------- attention
+
+
+def _attention_available():
+    try:
+        from kernels.triton import attention  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def test_attention_prefill_equals_decode():
+    _need_cuda()
+    if not _attention_available():
+        pytest.skip("kernels.triton.attention not built")
+    from kernels.triton import attention
+
+    S, Hq, Hkv, D = 300, 8, 2, 128
+    q = _randn(S, Hq, D, seed=30)
+    k = _randn(S + 37, Hkv, D, seed=31)  # extra finite slots beyond the sequence
+    v = _randn(S + 37, Hkv, D, seed=32)
+    pos = torch.arange(S, device="cuda")
+    scale = D ** -0.5
+    full = attention(q, k, v, pos, scale)
+    # decode: query p sees a KV of exactly p+1 keys
+    for p in range(S):
+        dec = attention(q[p : p + 1], k[: p + 1], v[: p + 1], pos[p : p + 1], scale)
+        assert torch.equal(dec, full[p : p + 1]), f"decode p={p}"
+    # zero-padded slots past the sequence (a paged / preallocated cache)
+    kz = torch.cat([k[:S], torch.zeros_like(k[:37])])
+    vz = torch.cat([v[:S], torch.zeros_like(v[:37])])
+    assert torch.equal(attention(q, kz, vz, pos, scale), full)
+    # chunked prefill
+    for a, b in ((0, 17), (17, 130), (130, 300), (0, 1), (1, 65), (65, 66)):
+        ch = attention(q[a:b], k[:b], v[:b], pos[a:b], scale)
+        assert torch.equal(ch, full[a:b]), f"chunk {a}:{b}"
+    # shuffled queries
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(33)).cuda()
+    assert torch.equal(attention(q[perm], k, v, pos[perm], scale), full[perm])
+    # accuracy vs float64 causal softmax
+    kk = k[:S].double().repeat_interleave(Hq // Hkv, 1)
+    vv = v[:S].double().repeat_interleave(Hq // Hkv, 1)
+    sc = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    sc = sc.masked_fill(torch.ones(S, S, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    ref = torch.einsum("hts,shd->thd", sc.softmax(-1), vv)
+    assert _rel_err(full, ref) < 1e-2
+
+
+# ------------------------------------------------------------------------------ script runner
+
+
+def _main() -> int:
+    import inspect
+
+    if not torch.cuda.is_available():
+        print("no CUDA: nothing to run")
+        return 0
+    mod = sys.modules[__name__]
+    passed = failed = skipped = 0
+    for name, fn in list(vars(mod).items()):
+        if not name.startswith("test_") or not callable(fn):
+            continue
+        marks = getattr(fn, "pytestmark", [])
+        cases = [{}]
+        for m in marks:
+            if m.name == "parametrize":
+                argnames = [a.strip() for a in m.args[0].split(",")] if isinstance(m.args[0], str) else m.args[0]
+                new = []
+                for c in cases:
+                    for vals in m.args[1]:
+                        vals = vals if len(argnames) > 1 else (vals,)
+                        new.append({**c, **dict(zip(argnames, vals))})
+                cases = new
+        for case in cases:
+            label = f"{name}[{','.join(str(v) for v in case.values())}]"
+            try:
+                fn(**{k: v for k, v in case.items() if k in inspect.signature(fn).parameters})
+                passed += 1
+                print("PASS", label, flush=True)
+            except pytest.skip.Exception as e:
+                skipped += 1
+                print("SKIP", label, e, flush=True)
+            except Exception as e:  # noqa: BLE001
+                failed += 1
+                print("FAIL", label, repr(e)[:500], flush=True)
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
