@@ -48,7 +48,7 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     base = prepare_base_model(recipe, run_dir)
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
-                      mode=recipe.mode)
+                      mode=recipe.mode, train=False)
     side = RolloutSide(recipe, base) if _rank() == 0 else None
     scenarios = _broadcast(_scenarios(side, recipe, num_prompts, samples) if side else None)
     T = recipe.rollout.temperature

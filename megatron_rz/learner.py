@@ -60,12 +60,14 @@ def _pad_token_id(hf_dir) -> int | None:
 
 class Learner:
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, algo: AlgoConfig, hf_dir, seed: int = 0,
-                 mode: str = "fast"):
+                 mode: str = "fast", train: bool = True):
+        """train=False builds the model for scoring only (no optimizer): `rz check` uses it, and it
+        allows bf16 on CPU, where Megatron's bf16 optimizer cannot run."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        if model_cfg.dtype == "bfloat16" and not torch.cuda.is_available():
+        if train and model_cfg.dtype == "bfloat16" and not torch.cuda.is_available():
             # Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params) accepts only
             # torch.cuda.*Tensor parameters in 0.16.1; build_gpt_model itself works in bf16.
             raise ValueError("model.dtype=bfloat16 training needs CUDA (Megatron's bf16 optimizer); use model.dtype=float32 on CPU")
@@ -99,7 +101,7 @@ class Learner:
             params_dtype=getattr(torch, model_cfg.dtype),
             use_distributed_optimizer=False,
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp]) if train else None
         # Hugging Face builds the embedding with padding_idx=pad_token_id: that row gets no
         # gradient (it stays as loaded). Mirror it so both sides train the same parameters.
         self.pad_token_id = _pad_token_id(hf_dir)
@@ -175,6 +177,9 @@ class Learner:
         """One optimizer step on the whole batch; see the module docstring for the conventions."""
         from megatron.core.distributed import finalize_model_grads
 
+        if self.optimizer is None:
+            raise RuntimeError("this Learner was built with train=False (scoring only); build it with train=True")
+
         input_ids = input_ids.long().cpu()
         batch = input_ids.shape[0]
         rows, per = self._my_rows(batch)
@@ -184,8 +189,10 @@ class Learner:
         self.optimizer.zero_grad()
         sums: dict[str, torch.Tensor] = {}
         loss_total = torch.zeros((), dtype=torch.float64)
+        seen = []  # the logprobs the loss used, detached: returned so callers need no second forward
         for i in range(0, per, micro_batch_size):
             logp = self._forward_logp(ids[i : i + micro_batch_size], temperature)
+            seen.append(logp.detach())
             real = rows[i : i + micro_batch_size]  # global rows of this micro batch (may be empty)
             n = real.numel()
             loss = logp.sum() * 0.0  # keeps every rank's backward (collectives) in step
@@ -212,6 +219,13 @@ class Learner:
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["update_successful"] = bool(ok)
         out["version"] = self.version
+        logp_all = torch.cat(seen, dim=0)
+        if self.dp > 1:
+            parts = [torch.empty_like(logp_all) for _ in range(self.dp)]
+            dist.all_gather(parts, logp_all.contiguous(), group=self.dp_group)
+            logp_all = torch.cat(parts, dim=0)
+        # [B, S] logprobs under the pre-update weights, exactly those the loss saw (not a metric).
+        out["logprobs"] = logp_all[:batch]
         return out
 
     def _zero_pad_row_grad(self) -> None:

@@ -237,7 +237,7 @@ class Recipe(_Strict):
     name: str = "tiny_moe"
     # aligned: learner and vLLM both compute through `kernels` (bitwise-equal logprobs);
     # fast: stock vLLM model classes and stock Megatron layers (the mismatch baseline).
-    mode: Literal["aligned", "fast"] = "fast"
+    mode: Literal["aligned", "fast"] = "aligned"
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -214,10 +214,6 @@ def train(recipe: Recipe) -> dict:
         t1 = time.perf_counter()
 
         T = recipe.rollout.temperature
-        # Learner logprobs on the weights that generated the batch: at lag 0 every difference from
-        # the rollout logprobs is kernel mismatch.
-        learner_logp = learner.logprobs(batch.input_ids, temperature=T)
-        stats = mismatch_stats(learner_logp, batch.old_logprobs, batch.loss_mask)
         out = learner.train_step(
             batch.input_ids,
             loss_fn,
@@ -228,6 +224,9 @@ def train(recipe: Recipe) -> dict:
             loss_mask=batch.loss_mask,
             token_weight=batch.token_weight,
         )
+        # The learner's logprobs that the loss used, on the weights that generated the batch: at
+        # lag 0 every difference from the rollout logprobs is kernel mismatch.
+        stats = mismatch_stats(out.pop("logprobs"), batch.old_logprobs, batch.loss_mask)
         t2 = time.perf_counter()
 
         # The stream is collective (TP/EP gathers): every rank walks it; rank 0 holds the full tensors.

@@ -58,3 +58,10 @@ def test_aligned_tiny_dsv3_is_bitwise(tmp_path):
     out, report = _rz_check("tiny_dsv3.yaml", tmp_path, "mode=aligned", prompts=8, samples=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert report["all_bitwise_equal"] is True
+
+
+def test_aligned_tiny_moe_bf16_is_bitwise(tmp_path):
+    # bf16 weights and activations on both sides (the learner scores without an optimizer).
+    out, report = _rz_check("tiny_moe.yaml", tmp_path, "mode=aligned", "model.dtype=bfloat16", prompts=8, samples=2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert report["dtype"] == "bfloat16" and report["all_bitwise_equal"] is True

@@ -179,7 +179,10 @@ def test_train_step_lowers_loss_and_conventions(ckpts, tmp_path):
     # micro-batch split does not change the step: same loss and gradient norm for 1 or 3 chunks
     saved = tmp_path / "ckpt"
     learner.save_checkpoint(saved)
+    before = learner.logprobs(ids)
     a = learner.train_step(ids, _nll_loss, micro_batch_size=6, loss_mask=mask)
+    # train_step returns the logprobs its loss used (pre-update weights): the same values
+    assert a["logprobs"].shape == before.shape and (a["logprobs"] - before).abs().max().item() < 1e-6
     after_a = learner.logprobs(ids)
     learner.load_checkpoint(saved)
     assert learner.version == 0
