@@ -50,8 +50,11 @@ def bench_rollout(recipe: Recipe, rounds: int = 5) -> dict:
 
 
 def main_bench(recipe: Recipe, what: str, rounds: int) -> int:
-    if what != "rollout":
-        raise SystemExit(f"rz bench: unknown benchmark {what!r}; available: rollout")
+    if what == "async":
+        from megatron_rz.async_trainer import bench_async_vs_sync
+
+        print(json.dumps(bench_async_vs_sync(recipe, recipe.schedule.steps)))
+        return 0
     res = bench_rollout(recipe, rounds)
     print(
         f"rollout step ({res['prompts']} prompts x {res['samples_per_prompt']}, {res['arch']} {res['dtype']}): "

@@ -3,6 +3,7 @@
     rz train RECIPE [key.path=value ...]     run a recipe (torchrun is started for tp*dp > 1)
     rz check RECIPE [overrides]              per-token logprob parity, vLLM vs learner
     rz bench rollout RECIPE [overrides]      rollout step time aligned vs fast (ratio, one run)
+    rz bench async RECIPE [overrides]        updates/s async (max_lag 2) vs sync (ratio, one run)
     rz validate RECIPE [overrides]           check a recipe and print the resolved values
     rz make-model RECIPE --out DIR           tokenizer + tiny HF checkpoint + warm start
     rz plot RUN_DIR                          redraw the PNG plots from metrics.jsonl
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +130,8 @@ def _quiet() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet()
+    # SIGTERM (scheduler, kill) -> SystemExit, so cleanup handlers run and no vLLM process leaks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(prog="rz", description="reinforce-zero: stable async RL on MoE models")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="run a recipe end to end")
@@ -138,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("bench", help="benchmarks: `rz bench rollout RECIPE` (aligned vs fast step time)")
-    p.add_argument("what", choices=["rollout"])
+    p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async lag 2 vs sync)")
+    p.add_argument("what", choices=["rollout", "async"])
     _recipe_args(p)
     p.add_argument("--rounds", type=int, default=5)
     p.set_defaults(fn=cmd_bench)

@@ -148,6 +148,10 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, ws.steps))))
     model.train()
     losses = []
+    # A tiny model's ops are too small to share between threads; with 2+ intra-op threads any
+    # other busy process on a 2-core box makes OpenMP spin-waits thrash (measured 50x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     bar = tqdm(range(ws.steps), desc="warm start (SFT)", disable=not progress, leave=False)
     for _ in bar:
         ids, mask = _sft_batch(tok, task.sample(rng, ws.batch_size))
@@ -161,6 +165,7 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
         sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
+    torch.set_num_threads(threads)
     model.eval()
     model.to(getattr(torch, recipe.model.dtype)).save_pretrained(out_dir, safe_serialization=True)
     info = {"sft_steps": ws.steps, "sft_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}

@@ -22,6 +22,7 @@ Must not import megatron: the worker extension and plugin run inside vLLM proces
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
@@ -253,6 +254,9 @@ class RolloutEngine:
                     "and the engine kwargs."
                 ) from e
         self.startup_s = time.perf_counter() - t0
+        # An interrupted caller (exception, SystemExit from SIGTERM) must not leave vLLM's engine-core
+        # and worker processes behind: close() is idempotent, so also run it at interpreter exit.
+        atexit.register(self.close)
         # (pid, start time) of the worker processes, to reap them in close() if the engine core
         # died without taking them down.
         self._worker_procs = [(pid, _proc_start_time(pid)) for pid in self._rpc("rz_pid")]

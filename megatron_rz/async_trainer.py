@@ -1,0 +1,668 @@
+"""The asynchronous REINFORCE Zero loop: rollout and learner run at once, with a policy-lag bound.
+
+Selected by ``schedule.max_lag = k > 0`` (``trainer.train`` hands over to ``train_async``).
+
+Processes
+    learner ranks   the main process(es) (torchrun for tp/ep/dp > 1): Megatron learner, metrics.
+    rollout         one process spawned by global rank 0 (multiprocessing "spawn"); it owns the
+                    task, the tokenizer and the vLLM engine (trainer.RolloutSide, so the same
+                    engine settings as the synchronous trainer) driven by
+                    vllm_bridge.streaming.StreamingGenerator, plus vLLM's own engine-core/worker
+                    processes under it.
+
+Channels (multiprocessing queues between rank 0 and the rollout process)
+    results  rollout -> learner, bounded (max_lag + 2): ("ready", info), ("eval", tag, value),
+             ("batch", k, samples, meta), ("error", traceback), ("done", info).
+    control  learner -> rollout: ("weights", version, path), ("stop", final_eval).
+    weights  rank 0 writes every new version as one safetensors file under
+             ``run_dir/async_weights/`` (written to ``*.tmp``, then ``os.replace``: a reader never
+             sees a partial file) and sends (version, path). Between two engine steps the rollout
+             applies only the newest version it has received (StreamingGenerator.swap_weights:
+             pause at a step boundary, in-place reload, relabel, resume; requests in flight keep
+             going and keep their KV cache) and deletes the files of every version it has
+             applied or skipped.
+
+Lag bound (max_lag = k)
+    Batch i (0-based) is the one the learner trains at version v0 + i (one update per batch).
+    Its tokens' versions must be >= v0 + i - k. Versions only grow, and a prompt's first token is
+    sampled with the weights loaded at or after its submission, so it is enough that the rollout
+    submits the prompts of batch i only once it has loaded a version >= v0 + i - k; when that is
+    not the case it stops submitting and waits for weights (producer side; time logged as
+    ``rollout_blocked_s``). The learner checks every batch (consumer side) and raises if the
+    oldest token version is below ``version - k``. A swap never makes an in-flight sample older,
+    so in-flight generations need not be interrupted. A sample's lag is
+    learner version - its oldest token version; a token's lag is learner version - its version.
+
+Failure handling
+    The learner waits for the rollout with short queue timeouts and checks that the rollout
+    process is alive: a dead rollout process raises RolloutProcessError with its exit code (its
+    own traceback is forwarded when it could send one), never a hang. On success, learner
+    exception or Ctrl-C the rollout process is told to stop, then terminated (SIGTERM: it closes
+    its engine), then killed, and finally the vLLM engine-core/worker pids it reported at start
+    are reaped (start-time checked). The rollout process exits by itself when its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from megatron_rz.recipe import Recipe, dump_recipe
+
+WEIGHTS_DIR = "async_weights"
+POLL_S = 0.5
+
+
+class RolloutProcessError(RuntimeError):
+    """The rollout process died, failed, or stopped answering."""
+
+
+# ============================================================================ weights channel
+
+
+def write_weights_file(named_tensors, directory: Path, version: int) -> Path:
+    """All HF-named tensors of one version as one safetensors file, atomically (tmp + rename)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"v{int(version):06d}.safetensors"
+    tmp = final.with_suffix(".safetensors.tmp")
+    # safetensors needs contiguous tensors that share no storage (tied embeddings): clone.
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in named_tensors}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, final)
+    return final
+
+
+def _unlink(path) -> None:
+    with contextlib.suppress(FileNotFoundError, TypeError):
+        os.unlink(path)
+
+
+# ============================================================================ rollout process
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_exit(signum, frame):  # SIGTERM in the rollout process: unwind, close the engine
+    raise SystemExit(128 + signum)
+
+
+def _rollout_main(recipe_dict: dict, base: str, v0: int, start_step: int, init_path: str | None,
+                  results_q, control_q) -> None:
+    """Entry point of the rollout process (spawned by global rank 0)."""
+    signal.signal(signal.SIGTERM, _raise_exit)
+    side = None
+    try:
+        from megatron_rz.trainer import RolloutSide
+        from vllm_bridge.streaming import StreamingGenerator
+
+        recipe = Recipe.model_validate(recipe_dict)
+        side = RolloutSide(recipe, Path(base))
+        gen = StreamingGenerator(side.engine)
+        if init_path is not None:  # resumed run: start from the learner's weights
+            gen.swap_weights(v0, path=init_path)
+            _unlink(init_path)
+        eng = side.engine
+        procs = [(p.pid, None) for p in eng._engine_processes()] + list(eng._worker_procs)
+        from vllm_bridge.engine import _proc_start_time
+
+        procs = [(pid, start or _proc_start_time(pid)) for pid, start in procs]
+        results_q.put(("ready", {"pid": os.getpid(), "procs": procs, "pad_id": side.tok.pad_token_id,
+                                 "startup_s": eng.startup_s}))
+        results_q.put(("eval", "before", side.evaluate()))
+        _Producer(recipe, side, gen, v0, start_step, results_q, control_q).run()
+    except (KeyboardInterrupt, SystemExit, _Stop):
+        results_q.cancel_join_thread()  # nobody may read what is still queued: do not block exit
+    except BaseException:
+        with contextlib.suppress(Exception):
+            results_q.put(("error", traceback.format_exc()), timeout=10)
+    finally:
+        if side is not None:
+            with contextlib.suppress(BaseException):
+                side.engine.close()
+
+
+class _Producer:
+    """The rollout loop: submit, step, swap, emit batches in order, respect the lag bound."""
+
+    def __init__(self, recipe: Recipe, side, gen, v0: int, start_step: int, results_q, control_q):
+        self.recipe, self.side, self.gen = recipe, side, gen
+        self.v0, self.start_step = v0, start_step
+        self.results_q, self.control_q = results_q, control_q
+        self.max_lag = recipe.schedule.max_lag
+        self.total = recipe.schedule.steps - start_step
+        self.rng = random.Random(recipe.schedule.seed * 1000 + start_step)  # as the sync trainer
+        self.parent = mp.parent_process()
+        self.next_submit = 0  # next batch index to submit
+        self.next_emit = 0  # next batch index to hand to the learner
+        self.batches: dict[int, dict] = {}
+        self.newest: tuple[int, str] | None = None  # (version, path) received, not applied yet
+        self.stopping = False
+        self.final_eval = False
+        self.blocked_s = 0.0  # waiting for weights because of the lag bound (since last batch)
+        self.swap_s = 0.0
+
+    # ---- control channel -----------------------------------------------------------------------
+    def _check_parent(self) -> None:
+        if self.parent is not None and not self.parent.is_alive():
+            raise _Stop("learner process is gone")
+
+    def poll_control(self, timeout: float = 0.0) -> None:
+        block = timeout > 0
+        while True:
+            try:
+                msg = self.control_q.get(timeout=timeout) if block else self.control_q.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if msg[0] == "weights":
+                _, v, path = msg
+                if v <= self.gen.version or (self.newest is not None and v <= self.newest[0]):
+                    _unlink(path)
+                    continue
+                if self.newest is not None:
+                    _unlink(self.newest[1])  # superseded before it was applied
+                self.newest = (int(v), str(path))
+            elif msg[0] == "stop":
+                self.stopping, self.final_eval = True, bool(msg[1])
+            else:
+                raise RuntimeError(f"rollout: unknown control message {msg[0]!r}")
+
+    def apply_newest(self) -> None:
+        if self.newest is None:
+            return
+        v, path = self.newest
+        self.newest = None
+        t0 = time.perf_counter()
+        self.gen.swap_weights(v, path=path)
+        r = self.recipe.rollout
+        if r.verify_sync and (v % r.verify_every == 0 or v == self.v0 + self.total):
+            from safetensors.torch import load_file
+
+            self.side.engine.verify_sync(load_file(path).items())
+        _unlink(path)
+        self.swap_s += time.perf_counter() - t0
+
+    # ---- batches -------------------------------------------------------------------------------
+    def allowed(self, k: int) -> bool:
+        """Lag bound: batch k is trained at version v0 + k; its tokens need version >= v0 + k - max_lag."""
+        return self.gen.version >= self.v0 + k - self.max_lag
+
+    def submit_batch(self, k: int) -> None:
+        step = self.start_step + k
+        problems = self.side.task.sample(self.rng, self.recipe.rollout.prompts_per_step)
+        self.batches[k] = {"problems": [], "groups": [], "dropped": 0, "refills": 0,
+                           "t_submit": time.perf_counter(), "submit_version": self.gen.version}
+        base_seed = self.recipe.schedule.seed * 100003 + step * 101
+        # one submit per prompt so that a group's index is its problem's index in the batch list
+        for i, p in enumerate(problems):
+            self._submit_prompts_indexed(k, p, base_seed + i * self.recipe.rollout.samples_per_prompt)
+
+    def _submit_prompts_indexed(self, k: int, problem, seed: int) -> None:
+        r = self.recipe.rollout
+        b = self.batches[k]
+        idx = len(b["problems"])
+        b["problems"].append(problem)
+        self.gen.submit(self.side.encode([problem]), n=r.samples_per_prompt, temperature=r.temperature,
+                        top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed, tag=(k, idx))
+
+    def collect(self, fg) -> None:
+        """Rewards and the algorithm's per-group shaping for one finished group."""
+        from megatron_rz.batch_filters import overlong_shaping
+
+        k, idx = fg.tag
+        b = self.batches[k]
+        problem = b["problems"][idx]
+        algo, r = self.recipe.algo, self.recipe.rollout
+        for s in fg.samples:
+            s.reward = self.side.task.reward(problem, self.side.decode(s.response_ids))
+            s.info["task_reward"] = s.reward
+        if algo.overlong_buffer > 0:
+            shaped = overlong_shaping(torch.tensor([s.reward for s in fg.samples]),
+                                      torch.tensor([len(s.response_ids) for s in fg.samples]),
+                                      r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+            for s, v in zip(fg.samples, shaped.tolist()):
+                s.reward = v
+        if algo.dynamic_sampling and len({s.reward for s in fg.samples}) == 1:
+            # DAPO dynamic sampling, streaming form: drop the group, submit a fresh prompt for the
+            # same batch (submitted now, so it still satisfies the batch's lag bound).
+            b["dropped"] += 1
+            if b["refills"] >= 8 * r.prompts_per_step:
+                from megatron_rz.batch_filters import DynamicSamplingError
+
+                raise DynamicSamplingError(
+                    f"batch {k}: {b['dropped']} groups had all-equal rewards; could not fill "
+                    f"{r.prompts_per_step} informative groups")
+            b["refills"] += 1
+            step = self.start_step + k
+            self._submit_prompts_indexed(k, self.side.task.sample(self.rng, 1)[0],
+                                         self.recipe.schedule.seed * 100003 + step * 101 + 7919 * b["refills"])
+            return
+        b["groups"].append(fg)
+
+    def emit_ready(self) -> None:
+        P = self.recipe.rollout.prompts_per_step
+        while self.next_emit in self.batches and len(self.batches[self.next_emit]["groups"]) >= P:
+            k = self.next_emit
+            b = self.batches.pop(k)
+            samples = []
+            for gi, fg in enumerate(sorted(b["groups"], key=lambda g: g.tag[1])[:P]):
+                for s in fg.samples:
+                    s.group = gi
+                    if b["dropped"]:
+                        s.info["dynamic_sampling_dropped"] = b["dropped"]
+                    samples.append(s)
+            meta = {
+                "time_generate": time.perf_counter() - b["t_submit"],
+                "submit_version": b["submit_version"],
+                "rollout_version": self.gen.version,
+                "rollout_blocked_s": self.blocked_s,
+                "rollout_swap_s": self.swap_s,
+                "dynamic_sampling_dropped": b["dropped"],
+            }
+            self.blocked_s = self.swap_s = 0.0
+            self._put(("batch", k, samples, meta))
+            self.next_emit += 1
+
+    def _put(self, msg) -> None:
+        while True:
+            try:
+                self.results_q.put(msg, timeout=POLL_S)
+                return
+            except queue.Full:
+                self._check_parent()
+                self.poll_control(0)
+                if self.stopping:
+                    return
+
+    # ---- main loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopping:
+            self.poll_control(0)
+            self.apply_newest()
+            while self.next_submit < self.total and self.allowed(self.next_submit):
+                self.submit_batch(self.next_submit)
+                self.next_submit += 1
+            if self.gen.num_in_flight():
+                for fg in self.gen.step():
+                    self.collect(fg)
+                self.emit_ready()
+                self._check_parent()
+                continue
+            self.emit_ready()
+            # Nothing in flight: either every batch is out (wait for stop) or the lag bound holds
+            # the next batch back (wait for weights).
+            t0 = time.perf_counter()
+            self.poll_control(POLL_S)
+            if self.next_emit < self.total:
+                self.blocked_s += time.perf_counter() - t0
+            self._check_parent()
+        self.gen.abort_all()
+        self.poll_control(0)
+        self.apply_newest()  # the final weights, for the final evaluation
+        if self.final_eval:
+            self._put(("eval", "after", self.side.evaluate()))
+        self._put(("done", {"swaps": len(self.gen.swaps), "version": self.gen.version}))
+
+
+# ============================================================================ learner side
+
+
+class RolloutProcess:
+    """Rank 0's handle on the rollout process: start, receive, send weights, stop, clean up."""
+
+    def __init__(self, recipe: Recipe, base: Path, v0: int, start_step: int, init_path: Path | None,
+                 timeout_s: float = 900.0):
+        ctx = mp.get_context("spawn")
+        self.results_q = ctx.Queue(maxsize=recipe.schedule.max_lag + 2)
+        self.control_q = ctx.Queue()
+        self.timeout_s = timeout_s
+        self.info: dict = {}
+        self.proc = ctx.Process(
+            target=_rollout_main, name="rz-rollout",
+            args=(recipe.model_dump(), str(base), v0, start_step, None if init_path is None else str(init_path),
+                  self.results_q, self.control_q),
+        )
+        self.proc.start()
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def _dead_error(self, what: str) -> RolloutProcessError:
+        return RolloutProcessError(
+            f"the rollout process (pid {self.proc.pid}) exited with code {self.proc.exitcode} while the "
+            f"learner was waiting for {what}. It was killed or crashed (out of memory? killed by hand?); "
+            "its own log, if any, is above. The run cannot continue: restart it (schedule.max_lag=0 "
+            "runs the synchronous trainer without a rollout process)."
+        )
+
+    def get(self, kind: str, what: str, timeout_s: float | None = None):
+        """Next message, which must be of ``kind``; raises on error, death or timeout."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            try:
+                msg = self.results_q.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    try:  # it may have sent its last words just before exiting
+                        msg = self.results_q.get(timeout=0.2)
+                    except queue.Empty:
+                        raise self._dead_error(what) from None
+                elif time.monotonic() > deadline:
+                    raise RolloutProcessError(
+                        f"no answer from the rollout process (pid {self.proc.pid}) for "
+                        f"{timeout_s or self.timeout_s:.0f} s while waiting for {what}") from None
+                else:
+                    continue
+            if msg[0] == "error":
+                raise RolloutProcessError(f"the rollout process failed while the learner waited for {what}:\n{msg[1]}")
+            if msg[0] != kind:
+                raise RolloutProcessError(f"rollout protocol error: expected {kind!r} ({what}), got {msg[0]!r}")
+            return msg
+
+    def send_weights(self, version: int, path: Path) -> None:
+        if not self.proc.is_alive():
+            raise self._dead_error(f"weights version {version} to be accepted")
+        self.control_q.put(("weights", int(version), str(path)))
+
+    def finish(self) -> float | None:
+        """Normal end: stop the producer, get the final evaluation, wait for the process to exit."""
+        self.control_q.put(("stop", True))
+        value = self.get("eval", "the final evaluation")[2]
+        self.get("done", "the rollout process to finish")
+        self.close()
+        return value
+
+    def close(self, join_s: float = 60.0) -> None:
+        """Idempotent; stop -> SIGTERM -> SIGKILL, then reap the vLLM processes it reported."""
+        if self._closed:
+            return
+        self._closed = True
+        from vllm_bridge.engine import _reap
+
+        with contextlib.suppress(Exception):
+            self.control_q.put(("stop", False))
+        # Keep draining the results queue while waiting: a child whose queue pipe is full cannot
+        # exit (its feeder thread flushes on exit).
+        deadline = time.monotonic() + join_s
+        while self.proc.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                while True:
+                    self.results_q.get_nowait()
+            self.proc.join(0.2)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        for pid, start in self.info.get("procs", []):
+            _reap(pid, start, wait_s=5.0)
+        for q in (self.results_q, self.control_q):
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()
+                q.close()
+
+
+def lag_stats(versions: torch.Tensor, mask: torch.Tensor, learner_version: int, max_lag: int) -> dict:
+    """Per-token and per-sample lag (learner version - token version) over response tokens."""
+    sel = mask.bool()
+    lag = (learner_version - versions)[sel]
+    vmin = torch.where(sel, versions, torch.full_like(versions, 1 << 40)).min(dim=1).values
+    sample_lag = learner_version - vmin
+    n = max(1, lag.numel())
+    out = {
+        "lag_mean": lag.double().mean().item() if lag.numel() else 0.0,
+        "lag_max": int(lag.max()) if lag.numel() else 0,
+        "sample_lag_mean": sample_lag.double().mean().item(),
+        "frac_samples_span_versions": ((versions.masked_fill(~sel, -(1 << 40)).max(dim=1).values) != vmin).double().mean().item(),
+    }
+    for j in range(max_lag + 1):
+        out[f"frac_tokens_lag_{j}"] = (lag == j).sum().item() / n
+    return out
+
+
+def _pure_lag0_bitwise(learner_logp, batch, learner_version: int) -> dict:
+    """Bitwise agreement over samples generated entirely (prompt prefill included) by the learner's
+    current weights: there, and only there, w == 1 exactly is expected in aligned mode."""
+    sel = batch.loss_mask.bool()
+    pure_rows = ((batch.versions == learner_version) | ~sel).all(dim=1) & sel.any(dim=1)
+    tok = sel & pure_rows[:, None]
+    if not tok.any():
+        return {"lag0_pure_tokens": 0}
+    eq = learner_logp[tok] == batch.old_logprobs[tok]
+    return {"lag0_pure_tokens": int(tok.sum()), "lag0_pure_frac_bitwise": eq.double().mean().item(),
+            "lag0_pure_max_abs_dlogp": (learner_logp[tok] - batch.old_logprobs[tok]).abs().max().item()}
+
+
+def _train_step(learner, batch, loss_fn, recipe: Recipe) -> dict:
+    return learner.train_step(
+        batch.input_ids, loss_fn, temperature=recipe.rollout.temperature,
+        micro_batch_size=recipe.algo.micro_batch_size, old_logprobs=batch.old_logprobs,
+        advantages=batch.advantages, loss_mask=batch.loss_mask, token_weight=batch.token_weight)
+
+
+def train_async(recipe: Recipe) -> dict:
+    """Run the recipe with rollout and learner overlapped; summary on rank 0 ({} elsewhere)."""
+    from tqdm import tqdm
+
+    from megatron_rz.diagnostics import RunningRatio, mismatch_stats
+    from megatron_rz.learner import Learner
+    from megatron_rz.losses import make_loss_fn
+    from megatron_rz.metrics import MetricsLogger, plot_run
+    from megatron_rz.model import init_parallel
+    from megatron_rz.trainer import _broadcast, _rank, build_batch, export_hf_checkpoint, prepare_base_model
+
+    max_lag = recipe.schedule.max_lag
+    if max_lag < 1:
+        raise ValueError("train_async needs schedule.max_lag >= 1 (0 is the synchronous trainer)")
+    run_dir = recipe.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    init_parallel(recipe.parallel, seed=recipe.schedule.seed)
+    base = prepare_base_model(recipe, run_dir)
+    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
+                      mode=recipe.mode)
+    rank0 = _rank() == 0
+    start_step = learner.load_checkpoint(recipe.checkpoint.load) if recipe.checkpoint.load else 0
+    v0 = learner.version
+    wdir = run_dir / WEIGHTS_DIR
+    init_path = None
+    if start_step:  # collective
+        weights = list(learner.export_hf_weights())
+        if rank0:
+            init_path = write_weights_file(weights, wdir, v0)
+        del weights
+    rollout = logger = None
+    times = {"rollout_wait": 0.0, "learner": 0.0, "sync": 0.0}
+    try:
+        if rank0:
+            dump_recipe(recipe, run_dir / "recipe.yaml")
+            if recipe.schedule.eval_every:
+                print("[rz] async trainer: schedule.eval_every is not used (evaluation before and after only)", flush=True)
+            rollout = RolloutProcess(recipe, base, v0, start_step, init_path)
+            rollout.info = rollout.get("ready", "the rollout engine to start")[1]
+            print(f"[rz] rollout process pid {rollout.pid} ready (vLLM pids "
+                  f"{[p for p, _ in rollout.info['procs']]}, start-up {rollout.info['startup_s']:.1f} s); "
+                  f"max_lag={max_lag}", flush=True)
+            logger = MetricsLogger(recipe, run_dir, resume=bool(start_step))
+            eval_before = rollout.get("eval", "the initial evaluation")[2]
+            logger.log(start_step, {"eval_reward": eval_before})
+        loss_fn = make_loss_fn(recipe.algo)
+        d3_ratio = RunningRatio()
+        bar = tqdm(range(start_step, recipe.schedule.steps), desc=f"REINFORCE Zero async (lag<={max_lag})",
+                   disable=not (rank0 and recipe.logging.progress))
+        for step in bar:
+            k = step - start_step
+            t0 = time.perf_counter()
+            payload = None
+            if rank0:
+                try:
+                    _, kk, samples, meta = rollout.get("batch", f"batch {k} (update {step + 1})")
+                    if kk != k:
+                        raise RolloutProcessError(f"rollout sent batch {kk}, expected {k}")
+                    batch = build_batch(samples, rollout.info["pad_id"])
+                    oldest = int(batch.versions[batch.loss_mask.bool()].min())
+                    if oldest < learner.version - max_lag:  # consumer-side check of the bound
+                        raise RolloutProcessError(
+                            f"lag bound violated: learner version {learner.version}, oldest token version "
+                            f"{oldest}, max_lag {max_lag}")
+                    payload = ("ok", batch, meta)
+                except BaseException as e:
+                    payload = ("abort", f"{type(e).__name__}: {e}", None)
+                    _broadcast(payload)
+                    raise
+            payload = _broadcast(payload)
+            if payload[0] == "abort":
+                raise RolloutProcessError(f"rank 0 stopped the run: {payload[1]}")
+            _, batch, meta = payload
+            t1 = time.perf_counter()
+
+            version = learner.version
+            out = _train_step(learner, batch, loss_fn, recipe)
+            # the learner logprobs the loss used (weights at `version`, before the update)
+            learner_logp = out.pop("logprobs")
+            stats = mismatch_stats(learner_logp, batch.old_logprobs, batch.loss_mask)
+            t2 = time.perf_counter()
+
+            weights = list(learner.export_hf_weights())  # collective
+            if rank0:
+                rollout.send_weights(learner.version, write_weights_file(weights, wdir, learner.version))
+            del weights
+            t3 = time.perf_counter()
+
+            times["rollout_wait"] += t1 - t0
+            times["learner"] += t2 - t1
+            times["sync"] += t3 - t2
+            if rank0:
+                resp = batch.loss_mask.sum(dim=1)
+                rewards = batch.task_rewards
+                row = {
+                    **stats,
+                    **out,
+                    "d3_peak_over_median": d3_ratio.add(stats.get("d3", 0.0)),
+                    "reward_mean": rewards.mean().item(),
+                    "shaped_reward_mean": batch.rewards.mean().item(),
+                    "response_len": resp.mean().item(),
+                    **lag_stats(batch.versions, batch.loss_mask, version, max_lag),
+                    **_pure_lag0_bitwise(learner_logp, batch, version),
+                    "weight_version": learner.version,
+                    "max_lag_bound": max_lag,
+                    "time_rollout": t1 - t0,  # what the learner waited for (rollout not hidden)
+                    "time_rollout_wait": t1 - t0,
+                    "time_learner": t2 - t1,
+                    "time_sync": t3 - t2,
+                    "time_step": t3 - t0,
+                    "samples_per_s": batch.input_ids.shape[0] / (t3 - t0),
+                    "tokens_per_s": resp.sum().item() / (t3 - t0),
+                    **meta,
+                }
+                logger.log(step + 1, row)
+                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
+                                wait=f"{t1 - t0:.2f}s")
+            every = recipe.checkpoint.every
+            if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
+                learner.save_checkpoint(run_dir / "checkpoints" / f"step_{step + 1:06d}", step=step + 1)
+
+        learner.save_checkpoint(run_dir / "checkpoints" / f"step_{recipe.schedule.steps:06d}", step=recipe.schedule.steps)
+        final_weights = list(learner.export_hf_weights())
+        if not rank0:
+            return {}
+        export_hf_checkpoint(final_weights, base, run_dir / "hf_final")
+        eval_after = rollout.finish()
+        logger.log(recipe.schedule.steps, {"eval_reward": eval_after})
+        summary = _summary(recipe, run_dir, start_step, eval_before, eval_after, times)
+        logger.close()
+        logger = None
+        if recipe.logging.plots:
+            plot_run(run_dir)
+        return summary
+    finally:
+        if rollout is not None:
+            rollout.close()
+        if logger is not None:
+            with contextlib.suppress(Exception):
+                logger.close()
+        if rank0:
+            shutil.rmtree(wdir, ignore_errors=True)
+
+
+def _summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eval_after, times: dict) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tr = [r for r in rows if "max_abs_dlogp" in r]
+    n = max(1, len(tr))
+    total_time = sum(r["time_step"] for r in tr)
+    summary = {
+        "recipe": recipe.name,
+        "steps": recipe.schedule.steps - start_step,
+        "max_lag": recipe.schedule.max_lag,
+        "eval_reward_before": eval_before,
+        "eval_reward_after": eval_after,
+        "train_reward_first": tr[0]["reward_mean"] if tr else None,
+        "train_reward_last": tr[-1]["reward_mean"] if tr else None,
+        "mismatch_max_abs_dlogp": max((r["max_abs_dlogp"] for r in tr), default=None),
+        "mismatch_mean_abs_dlogp": sum(r["mean_abs_dlogp"] for r in tr) / n,
+        "mismatch_frac_bitwise": sum(r["frac_bitwise"] for r in tr) / n,
+        "d3_mean": sum(r["d3"] for r in tr) / n,
+        "lag_mean": sum(r["lag_mean"] for r in tr) / n,
+        "lag_max": max((r["lag_max"] for r in tr), default=0),
+        "updates_per_s": len(tr) / total_time if total_time > 0 else None,
+        "time_per_step": {k: v / n for k, v in times.items()},
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ============================================================================ benchmark
+
+
+def bench_async_vs_sync(recipe: Recipe, steps: int = 10, max_lag: int = 2) -> dict:
+    """Same recipe, ``steps`` updates with the synchronous trainer (max_lag=0) and the asynchronous
+    one (max_lag=2), in one invocation; updates/s is over the update loop (sum of per-update
+    wall times: rollout wait + learner + sync; start-up and evaluation excluded). Both runs share
+    one base model (warm start made once). Prints and returns the numbers and the ratio."""
+    from megatron_rz.trainer import prepare_base_model, train
+
+    root = recipe.run_dir / "bench_async"
+    shared = prepare_base_model(recipe.model_copy(deep=True), root)
+    res = {}
+    for name, lag in (("sync", 0), ("async", max_lag)):
+        r = recipe.model_copy(deep=True)
+        r.schedule.steps, r.schedule.max_lag, r.schedule.eval_every = steps, lag, 0
+        r.logging.run_dir = str(root / name)
+        r.logging.wandb, r.logging.plots, r.logging.progress = False, False, False
+        r.checkpoint.every, r.checkpoint.load = 0, None
+        if not (r.run_dir / "base_model" / "config.json").exists():
+            shutil.copytree(shared, r.run_dir / "base_model", dirs_exist_ok=True)
+        t0 = time.perf_counter()
+        train(r)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+        tr = [x for x in rows if "max_abs_dlogp" in x]
+        loop = sum(x["time_step"] for x in tr)
+        res[name] = {"updates": len(tr), "loop_s": loop, "updates_per_s": len(tr) / loop, "wall_s": wall,
+                     "time_rollout_mean": sum(x["time_rollout"] for x in tr) / len(tr),
+                     "time_learner_mean": sum(x["time_learner"] for x in tr) / len(tr),
+                     "time_sync_mean": sum(x["time_sync"] for x in tr) / len(tr),
+                     "lag_mean": sum(x.get("lag_mean", 0.0) for x in tr) / len(tr)}
+    res["async_over_sync"] = res["async"]["updates_per_s"] / res["sync"]["updates_per_s"]
+    res["cpu_count"] = os.cpu_count()
+    print(f"sync (max_lag=0): {res['sync']['updates_per_s']:.3f} updates/s; async (max_lag={max_lag}): "
+          f"{res['async']['updates_per_s']:.3f} updates/s; async/sync = {res['async_over_sync']:.2f}", flush=True)
+    print(json.dumps(res), flush=True)
+    return res
