@@ -56,12 +56,12 @@ def init_parallel(parallel: ParallelConfig, seed: int = 0) -> None:
 
     megatron_patches.apply()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
-        rank = int(os.environ.get("RANK", 0))
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # under torchrun
+            dist.init_process_group("gloo", init_method="env://")
+        else:
+            # A lone process: its own loopback port, passed explicitly. Nothing goes into
+            # os.environ, so child processes (tests, rz subcommands) never inherit a bound port.
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world != parallel.world_size:
         raise ValueError(

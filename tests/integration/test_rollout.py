@@ -125,7 +125,10 @@ def engine(qwen_ckpt):
     saved = {k: os.environ.get(k) for k in [*TORCHRUN_ENV, "MASTER_PORT"]}
     os.environ.update(TORCHRUN_ENV)
     os.environ["MASTER_PORT"] = str(_free_port())
-    torch.distributed.init_process_group("gloo", init_method="env://")
+    # Another test module of this pytest process may already own a (world-size 1) group.
+    own_group = not torch.distributed.is_initialized()
+    if own_group:
+        torch.distributed.init_process_group("gloo", init_method="env://")
     try:
         t0 = time.perf_counter()
         eng = RolloutEngine(qwen_ckpt, max_num_seqs=64, max_model_len=MAX_LEN, kv_cache_gb=0.25, seed=0)
@@ -136,7 +139,8 @@ def engine(qwen_ckpt):
         eng.close()
         REPORT["close_s"] = time.perf_counter() - t0
     finally:
-        torch.distributed.destroy_process_group()
+        if own_group:
+            torch.distributed.destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
