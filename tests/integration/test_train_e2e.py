@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHORT = [
     "schedule.steps=3",
     "schedule.eval_every=0",
-    "warm_start.steps=30",
+    "warm_start.steps=300",  # enough for mixed rewards in a group, so updates have a gradient
     "task.eval_prompts=24",
     "rollout.prompts_per_step=8",
     "rollout.samples_per_prompt=4",
@@ -44,7 +44,8 @@ def _check_run(run_dir: Path, out: subprocess.CompletedProcess, aligned: bool = 
         else:
             assert 0 < r["max_abs_dlogp"] < 1e-3, r
         assert r["tokens"] > 0 and 0.0 <= r["reward_mean"] <= 1.0
-        assert r["grad_norm"] > 0
+        assert r["grad_norm"] >= 0  # 0 when every group's rewards are equal (no advantage)
+    assert any(r["grad_norm"] > 0 for r in train_rows), train_rows
     # weights moved and vLLM followed them: version advanced once per update
     assert [r["weight_version"] for r in train_rows] == [1, 2, 3]
     assert 0.0 <= summary["eval_reward_before"] <= 1.0 and 0.0 <= summary["eval_reward_after"] <= 1.0
