@@ -49,7 +49,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import random
 import shutil
 import signal
 import time
@@ -59,6 +58,8 @@ from pathlib import Path
 import torch
 
 from megatron_rz.recipe import Recipe, dump_recipe
+from megatron_rz.resume import checkpoint_dir, resolve_load, step_rng, truncate_metrics
+from megatron_rz.resume import eval_before as logged_eval_before
 
 WEIGHTS_DIR = "async_weights"
 POLL_S = 0.5
@@ -144,7 +145,6 @@ class _Producer:
         self.results_q, self.control_q = results_q, control_q
         self.max_lag = recipe.schedule.max_lag
         self.total = recipe.schedule.steps - start_step
-        self.rng = random.Random(recipe.schedule.seed * 1000 + start_step)  # as the sync trainer
         self.parent = mp.parent_process()
         self.next_submit = 0  # next batch index to submit
         self.next_emit = 0  # next batch index to hand to the learner
@@ -203,8 +203,9 @@ class _Producer:
 
     def submit_batch(self, k: int) -> None:
         step = self.start_step + k
-        problems = self.side.task.sample(self.rng, self.recipe.rollout.prompts_per_step)
-        self.batches[k] = {"problems": [], "groups": [], "dropped": 0, "refills": 0,
+        rng = step_rng(self.recipe.schedule.seed, step)  # the same prompts as the sync trainer's step
+        problems = self.side.task.sample(rng, self.recipe.rollout.prompts_per_step)
+        self.batches[k] = {"problems": [], "groups": [], "dropped": 0, "refills": 0, "rng": rng,
                            "t_submit": time.perf_counter(), "submit_version": self.gen.version}
         base_seed = self.recipe.schedule.seed * 100003 + step * 101
         # one submit per prompt so that a group's index is its problem's index in the batch list
@@ -248,7 +249,7 @@ class _Producer:
                     f"{r.prompts_per_step} informative groups")
             b["refills"] += 1
             step = self.start_step + k
-            self._submit_prompts_indexed(k, self.side.task.sample(self.rng, 1)[0],
+            self._submit_prompts_indexed(k, self.side.task.sample(b["rng"], 1)[0],
                                          self.recipe.schedule.seed * 100003 + step * 101 + 7919 * b["refills"])
             return
         b["groups"].append(fg)
@@ -478,7 +479,8 @@ def train_async(recipe: Recipe) -> dict:
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
                       mode=recipe.mode)
     rank0 = _rank() == 0
-    start_step = learner.load_checkpoint(recipe.checkpoint.load) if recipe.checkpoint.load else 0
+    ckpt = resolve_load(recipe.checkpoint.load, run_dir)
+    start_step = learner.load_checkpoint(ckpt) if ckpt is not None else 0
     v0 = learner.version
     wdir = run_dir / WEIGHTS_DIR
     init_path = None
@@ -488,6 +490,7 @@ def train_async(recipe: Recipe) -> dict:
             init_path = write_weights_file(weights, wdir, v0)
         del weights
     rollout = logger = None
+    earlier: list[dict] = []
     times = {"rollout_wait": 0.0, "learner": 0.0, "sync": 0.0}
     try:
         if rank0:
@@ -499,11 +502,18 @@ def train_async(recipe: Recipe) -> dict:
             print(f"[rz] rollout process pid {rollout.pid} ready (vLLM pids "
                   f"{[p for p, _ in rollout.info['procs']]}, start-up {rollout.info['startup_s']:.1f} s); "
                   f"max_lag={max_lag}", flush=True)
+            earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if start_step else []
             logger = MetricsLogger(recipe, run_dir, resume=bool(start_step))
             eval_before = rollout.get("eval", "the initial evaluation")[2]
-            logger.log(start_step, {"eval_reward": eval_before})
+            if logged_eval_before(earlier) is None:
+                logger.log(start_step, {"eval_reward": eval_before})
+            else:
+                eval_before = logged_eval_before(earlier)
         loss_fn = make_loss_fn(recipe.algo)
         d3_ratio = RunningRatio()
+        for r in earlier if rank0 else []:  # a resumed run continues the same running statistic
+            if "d3" in r:
+                d3_ratio.add(r["d3"])
         bar = tqdm(range(start_step, recipe.schedule.steps), desc=f"REINFORCE Zero async (lag<={max_lag})",
                    disable=not (rank0 and recipe.logging.progress))
         for step in bar:
@@ -576,9 +586,9 @@ def train_async(recipe: Recipe) -> dict:
                                 wait=f"{t1 - t0:.2f}s")
             every = recipe.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
-                learner.save_checkpoint(run_dir / "checkpoints" / f"step_{step + 1:06d}", step=step + 1)
+                learner.save_checkpoint(checkpoint_dir(run_dir, step + 1), step=step + 1)
 
-        learner.save_checkpoint(run_dir / "checkpoints" / f"step_{recipe.schedule.steps:06d}", step=recipe.schedule.steps)
+        learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
         final_weights = list(learner.export_hf_weights())
         if not rank0:
             return {}

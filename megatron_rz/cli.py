@@ -60,7 +60,13 @@ def _relaunch_under_torchrun(recipe, argv: list[str]) -> int | None:
 
 
 def cmd_train(args) -> int:
+    from megatron_rz.resume import resolve_load
+
     recipe = load_recipe(args.recipe, args.overrides)
+    try:  # a wrong checkpoint path fails here, before the warm start and the engines
+        resolve_load(recipe.checkpoint.load, recipe.run_dir)
+    except FileNotFoundError as e:
+        raise RecipeError(str(e)) from None
     rc = _relaunch_under_torchrun(recipe, ["train", args.recipe, *args.overrides])
     if rc is not None:
         return rc

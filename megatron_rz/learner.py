@@ -247,6 +247,9 @@ class Learner:
             "version": self.version,
             "layout": self.parallel.model_dump(),
             "world_size": dist.get_world_size(),
+            # Nothing in the forward draws random numbers today (no dropout); kept so that one that
+            # does (dropout, router jitter) still resumes exactly.
+            "torch_rng": torch.get_rng_state(),
         }
 
     def save_checkpoint(self, ckpt_dir, step: int | None = None) -> Path:
@@ -257,6 +260,11 @@ class Learner:
         state = self.state_dict_for_checkpoint()
         state["step"] = self.version if step is None else int(step)
         torch.save(state, d / f"rank{dist.get_rank():05d}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:  # every rank's file is on disk: mark the checkpoint usable
+            from megatron_rz.resume import COMPLETE
+
+            (d / COMPLETE).write_text(f"step {state['step']}\n")
         dist.barrier()
         return d
 
@@ -271,4 +279,6 @@ class Learner:
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
         return int(state.get("step", self.version))

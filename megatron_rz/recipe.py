@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from megatron_rz.cluster import ClusterConfig
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run, with a message that says what to change."""
@@ -29,7 +31,8 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Architecture and sizes. `arch` picks the Hugging Face class both engines load natively."""
 
-    arch: Literal["qwen3_moe", "deepseek_v3"] = "qwen3_moe"
+    # deepseek_v4: sizes only (layout planner, rz submit); the learner and engine modules are issue 7.
+    arch: Literal["qwen3_moe", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 2
@@ -41,7 +44,7 @@ class ModelConfig(_Strict):
     rms_norm_eps: float = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     tie_word_embeddings: bool = False
-    # MoE
+    # MoE; num_experts=0 (and top_k=0) is a dense model: every layer an MLP of dense_ffn_hidden_size
     num_experts: int = 8
     top_k: int = 2
     moe_ffn_hidden_size: int = 64
@@ -60,6 +63,15 @@ class ModelConfig(_Strict):
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 64
     v_head_dim: int = 32
+    # DeepSeek-V4 (deepseek_v4 only; Hugging Face DeepseekV4Config names). head_dim is the single
+    # shared KV head's width, q_lora_rank the query low rank, qk_rope_head_dim its rotary part.
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    hc_mult: int = 4
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    sliding_window: int = 128
+    compress_ratios: list[int] = []  # per layer: 0 sliding window only, 4 compressed sparse, 128 heavily compressed
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -87,6 +99,10 @@ class ModelConfig(_Strict):
                 )
             if self.router_group_topk > self.router_num_groups:
                 raise ValueError("model.router_group_topk cannot exceed model.router_num_groups")
+        if self.arch == "deepseek_v4" and (
+            len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 4, 128}
+        ):
+            raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
         if self.first_k_dense >= self.num_layers:
             raise ValueError("model.first_k_dense must leave at least one MoE layer (< num_layers)")
         return self
@@ -201,6 +217,18 @@ class WarmStartConfig(_Strict):
     batch_size: int = 64
     lr: float = 3e-3
     tokenizer_vocab: int = 64
+    # Share of warm-start examples whose answer is replaced by the task's distractor (a common
+    # mistake, e.g. arithmetic without carrying) where the task has one. Above 0.5 the base model
+    # prefers the mistake, so RL (which only sees the exact-match reward) has to overturn its
+    # imitation: the embedded demo's stand-in for a base model that is capable but unreliable.
+    distractor_rate: float = 0.0
+
+    @field_validator("distractor_rate")
+    @classmethod
+    def _rate(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError("warm_start.distractor_rate must be in [0, 1)")
+        return v
 
 
 class ScheduleConfig(_Strict):
@@ -230,7 +258,9 @@ class LoggingConfig(_Strict):
 
 class CheckpointConfig(_Strict):
     every: int = 0  # 0: only at the end
-    load: str | None = None  # a checkpoint dir to resume from
+    # a checkpoint dir to resume from, or "latest": the newest complete one in this run dir (none yet:
+    # start fresh), which is what a requeued SLURM job uses
+    load: str | None = None
 
 
 class Recipe(_Strict):
@@ -247,6 +277,8 @@ class Recipe(_Strict):
     schedule: ScheduleConfig = ScheduleConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    # Where `rz submit` runs the recipe (SLURM); unused by rz train. See megatron_rz/cluster.py.
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:

@@ -30,6 +30,9 @@ class Task(Protocol):
 
     def corpus(self, rng: random.Random, n: int) -> list[str]: ...
 
+    # Optional: a plausible wrong answer (a common mistake) for the warm start's distractor share.
+    # def distractor(self, problem: Problem) -> str | None: ...
+
 
 class Arithmetic:
     """`a+b=` -> `c`, operands with up to `digits` digits; reward 1.0 on an exact answer."""
@@ -65,6 +68,18 @@ class Arithmetic:
 
     def corpus(self, rng: random.Random, n: int) -> list[str]:
         return [p.prompt + p.answer for p in self.sample(rng, n)]
+
+    def distractor(self, problem: Problem) -> str | None:
+        """The answer someone who forgets to carry would give ("58+67=" -> "15"): column-wise
+        digit sums mod 10. None when that equals the true answer (no carry) or op is not '+'."""
+        op = "+" if "+" in problem.prompt else None
+        if op is None:
+            return None
+        a, b = problem.prompt.rstrip("=").split("+")
+        width = max(len(a), len(b))
+        a, b = a.zfill(width), b.zfill(width)
+        wrong = "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b)).lstrip("0") or "0"
+        return None if wrong == problem.answer else wrong
 
 
 def make_task(cfg: TaskConfig) -> Task:

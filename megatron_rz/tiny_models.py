@@ -119,12 +119,12 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
     return model, tok
 
 
-def _sft_batch(tok, problems, device="cpu"):
+def _sft_batch(tok, problems, answers=None):
     """Right-padded prompt+answer+eos sequences with a loss mask on the answer and eos."""
     seqs, masks = [], []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = tok.encode(p.prompt, add_special_tokens=False)
-        answer = tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id]
+        answer = tok.encode(answers[i] if answers else p.answer, add_special_tokens=False) + [tok.eos_token_id]
         seqs.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
     n = max(map(len, seqs))
@@ -153,8 +153,16 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     bar = tqdm(range(ws.steps), desc="warm start (SFT)", disable=not progress, leave=False)
+    distractor = getattr(task, "distractor", None) if ws.distractor_rate > 0 else None
     for _ in bar:
-        ids, mask = _sft_batch(tok, task.sample(rng, ws.batch_size))
+        problems = task.sample(rng, ws.batch_size)
+        answers = [p.answer for p in problems]
+        if distractor is not None:
+            for i, p in enumerate(problems):
+                wrong = distractor(p)
+                if wrong is not None and rng.random() < ws.distractor_rate:
+                    answers[i] = wrong
+        ids, mask = _sft_batch(tok, problems, answers)
         logits = model(input_ids=ids).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()

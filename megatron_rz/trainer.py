@@ -23,6 +23,7 @@ from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz.metrics import MetricsLogger, plot_run
 from megatron_rz.recipe import Recipe, dump_recipe
+from megatron_rz.resume import checkpoint_dir, eval_before as logged_eval_before, resolve_load, step_rng, truncate_metrics
 from megatron_rz.tasks import Problem, make_task
 
 
@@ -184,8 +185,11 @@ def train(recipe: Recipe) -> dict:
                       mode=recipe.mode)
     rank0 = _rank() == 0
     start_step = 0
-    if recipe.checkpoint.load:
-        start_step = learner.load_checkpoint(recipe.checkpoint.load)
+    ckpt = resolve_load(recipe.checkpoint.load, run_dir)
+    if ckpt is not None:
+        start_step = learner.load_checkpoint(ckpt)
+        if rank0:
+            print(f"[rz] resumed from {ckpt} (step {start_step})", flush=True)
     side = RolloutSide(recipe, base) if rank0 else None
     if rank0:
         dump_recipe(recipe, run_dir / "recipe.yaml")
@@ -193,22 +197,28 @@ def train(recipe: Recipe) -> dict:
         weights = dict(learner.export_hf_weights())
         if rank0:
             side.engine.update_weights(weights.items(), version=learner.version)
+    earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if (rank0 and start_step) else []
     logger = MetricsLogger(recipe, run_dir, resume=bool(start_step)) if rank0 else None
     loss_fn = make_loss_fn(recipe.algo)
-    rng = random.Random(recipe.schedule.seed * 1000 + start_step)
     d3_ratio = RunningRatio()
+    for r in earlier:  # a resumed run continues the same running statistic
+        if "d3" in r:
+            d3_ratio.add(r["d3"])
     times = {"rollout": 0.0, "learner": 0.0, "sync": 0.0}
 
-    eval_before = side.evaluate() if rank0 else None
+    eval_before = None
     if rank0:
-        logger.log(start_step, {"eval_reward": eval_before})
+        eval_before = logged_eval_before(earlier)
+        if eval_before is None:
+            eval_before = side.evaluate()
+            logger.log(start_step, {"eval_reward": eval_before})
     steps = range(start_step, recipe.schedule.steps)
     bar = tqdm(steps, desc="REINFORCE Zero", disable=not (rank0 and recipe.logging.progress))
     for step in bar:
         t0 = time.perf_counter()
         batch = None
         if rank0:
-            samples = side.collect(rng, step)
+            samples = side.collect(step_rng(recipe.schedule.seed, step), step)
             batch = build_batch(samples, side.tok.pad_token_id)
         batch = _broadcast(batch)
         t1 = time.perf_counter()
@@ -263,9 +273,9 @@ def train(recipe: Recipe) -> dict:
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
         every = recipe.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
-            learner.save_checkpoint(run_dir / "checkpoints" / f"step_{step + 1:06d}", step=step + 1)
+            learner.save_checkpoint(checkpoint_dir(run_dir, step + 1), step=step + 1)
 
-    learner.save_checkpoint(run_dir / "checkpoints" / f"step_{recipe.schedule.steps:06d}", step=recipe.schedule.steps)
+    learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
     final_weights = dict(learner.export_hf_weights())
     if not rank0:
         return {}
