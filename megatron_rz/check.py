@@ -3,9 +3,13 @@
 vLLM generates under several batchings (many concurrent sequences of mixed lengths, then each
 prompt alone); the learner recomputes every sampled token's logprob on the same weights, with
 several micro-batch sizes. In `aligned` mode the claim is bitwise equality everywhere; in `fast`
-mode the report shows what the mismatch is. When tokens differ, the report says which side left
-the kernels-only reference forward (vllm_bridge.aligned.reference) and, on the learner side,
-at which layer the hidden states first diverge.
+mode the report shows what the mismatch is. When tokens differ (aligned mode), megatron_rz.localise
+replays one mismatching sequence through vLLM alone, the learner and the kernels-only reference
+forward with activation taps, and names the first layer and op where each side leaves the
+reference.
+
+`inject_fault` ("vllm:NAME" or "learner:NAME") scales one parameter on one side by 1 + 2**-8
+before the check: the localiser's self-test (the report must then name that parameter's op).
 """
 
 from __future__ import annotations
@@ -39,7 +43,25 @@ def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int
     return out
 
 
-def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4) -> dict:
+FAULT_FACTOR = 1.0 + 2.0**-8
+
+
+def _inject(fault: str, learner, side) -> None:
+    where, _, name = fault.partition(":")
+    if where == "vllm":
+        if side is not None:
+            side.engine.perturb_parameter(name, FAULT_FACTOR)
+    elif where == "learner":
+        params = dict(learner.model.named_parameters())
+        if name not in params:
+            raise ValueError(f"--inject-fault: no learner parameter {name!r}; e.g. {next(iter(params))}")
+        with torch.no_grad():
+            params[name].mul_(FAULT_FACTOR)
+    else:
+        raise ValueError(f"--inject-fault must be vllm:PARAM or learner:PARAM, not {fault!r}")
+
+
+def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fault: str | None = None) -> dict:
     from megatron_rz.learner import Learner
     from megatron_rz.model import init_parallel
 
@@ -50,11 +72,14 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4) -> dict:
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
                       mode=recipe.mode, train=False)
     side = RolloutSide(recipe, base) if _rank() == 0 else None
+    if inject_fault:
+        _inject(inject_fault, learner, side)
     scenarios = _broadcast(_scenarios(side, recipe, num_prompts, samples) if side else None)
     T = recipe.rollout.temperature
     report: dict = {"mode": recipe.mode, "arch": recipe.model.arch, "dtype": recipe.model.dtype,
                     "layout": recipe.parallel.model_dump(), "scenarios": {}}
     all_equal = True
+    first_bad_prompt = None  # a prompt whose sample mismatched: the localiser replays it
     for name, samples_ in scenarios.items():
         batch = build_batch(samples_, pad_id=0)
         B, S = batch.input_ids.shape
@@ -66,32 +91,18 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4) -> dict:
             stats = mismatch_stats(logp, batch.old_logprobs, batch.loss_mask)
             report["scenarios"][f"{name}; learner {label}"] = stats
             all_equal &= stats["frac_bitwise"] == 1.0
+            if first_bad_prompt is None and stats["frac_bitwise"] < 1.0:
+                m = batch.loss_mask.bool()
+                bad_rows = ((logp != batch.old_logprobs) & m).any(dim=1).nonzero()
+                first_bad_prompt = list(samples_[int(bad_rows[0])].prompt_ids)
     report["all_bitwise_equal"] = all_equal
     if not all_equal and recipe.mode == "aligned":
-        report["localisation"] = localise(learner, base, recipe, scenarios)
+        from megatron_rz.localise import localise
+
+        report["localisation"] = localise(learner, side, base, recipe, first_bad_prompt)
     if side:
         side.engine.close()
     return report
-
-
-def localise(learner, base, recipe: Recipe, scenarios: dict) -> dict:
-    """Which side left the kernels-only reference, and (learner side) at which layer."""
-    from transformers import AutoConfig
-
-    from vllm_bridge.aligned.reference import reference_logprobs
-
-    samples_ = next(iter(scenarios.values()))
-    batch = build_batch(samples_, pad_id=0)
-    T = recipe.rollout.temperature
-    ref = reference_logprobs(str(base), AutoConfig.from_pretrained(base), batch.input_ids, T)
-    mask = batch.loss_mask.bool()
-    vllm_ok = bool(torch.equal(ref[mask], batch.old_logprobs[mask]))
-    learner_ok = bool(torch.equal(ref[mask], learner.logprobs(batch.input_ids, temperature=T)[mask]))
-    return {
-        "vllm_equals_reference": vllm_ok,
-        "learner_equals_reference": learner_ok,
-        "diverging_side": "both" if not (vllm_ok or learner_ok) else "vllm" if not vllm_ok else "learner" if not learner_ok else "none",
-    }
 
 
 def print_report(report: dict) -> None:
@@ -106,14 +117,17 @@ def print_report(report: dict) -> None:
                   f"{s['d3']:.3g}", f"{s['kl_k1']:.3g}")
     c = Console()
     c.print(t)
-    if "localisation" in report:
-        c.print(f"localisation: {json.dumps(report['localisation'])}")
+    if report.get("localisation"):
+        loc = report["localisation"]
+        c.print(f"[bold]localisation[/bold]: {loc['summary']}")
+        for who in ("vllm", "learner"):
+            c.print(f"  {who}: {json.dumps(loc[who])}")
     verdict = "ALL sampled-token logprobs bitwise equal" if report["all_bitwise_equal"] else "logprobs differ"
     c.print(f"[bold]{verdict}[/bold]")
 
 
-def main_check(recipe: Recipe, num_prompts: int, samples: int) -> int:
-    report = run_check(recipe, num_prompts, samples)
+def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | None = None) -> int:
+    report = run_check(recipe, num_prompts, samples, inject_fault)
     if _rank() == 0:
         print_report(report)
         (recipe.run_dir / "check.json").write_text(json.dumps(report, indent=2))

@@ -7,6 +7,7 @@
     rz validate RECIPE [overrides]           check a recipe and print the resolved values
     rz make-model RECIPE --out DIR           tokenizer + tiny HF checkpoint + warm start
     rz plot RUN_DIR                          redraw the PNG plots from metrics.jsonl
+    rz submit RECIPE [overrides] [--dry-run] run on SLURM (the recipe's cluster section; docs/slurm.md)
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     extra = ["--prompts", str(args.prompts), "--samples", str(args.samples)]
+    if args.inject_fault:
+        extra += ["--inject-fault", args.inject_fault]
     rc = _relaunch_under_torchrun(recipe, ["check", args.recipe, *args.overrides, *extra])
     if rc is not None:
         return rc
     from megatron_rz.check import main_check
 
-    return main_check(recipe, args.prompts, args.samples)
+    return main_check(recipe, args.prompts, args.samples, args.inject_fault)
 
 
 def cmd_bench(args) -> int:
@@ -111,6 +114,13 @@ def cmd_make_model(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     info = warm_start(recipe, Path(args.out), seed=recipe.schedule.seed)
     print(json.dumps({"out": args.out, **info}))
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from megatron_rz.submit import submit
+
+    submit(load_recipe(args.recipe, args.overrides), dry_run=args.dry_run, run_dir=args.run_dir)
     return 0
 
 
@@ -147,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     _recipe_args(p)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--inject-fault", metavar="SIDE:PARAM", default=None,
+                   help="self-test of the localiser: scale one parameter (vllm:HF name or learner:Megatron "
+                        "name) by 1+2^-8 on that side only; the report must name its layer and op")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async lag 2 vs sync)")
     p.add_argument("what", choices=["rollout", "async"])
@@ -160,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     _recipe_args(p)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_make_model)
+    p = sub.add_parser("submit", help="run a recipe as a SLURM job (its cluster section); --dry-run prints it")
+    _recipe_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and memory plan, submit nothing")
+    p.add_argument("--run-dir", default=None, help="continue this run dir (resumes its latest checkpoint)")
+    p.set_defaults(fn=cmd_submit)
     p = sub.add_parser("plot", help="redraw plots from a run dir's metrics.jsonl")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_plot)

@@ -360,6 +360,28 @@ class RolloutEngine:
         with self._guard(f"collective_rpc {method}"):
             return self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
 
+    # ---- localisation (rz check) ----------------------------------------------------------------
+    def traced_generate(self, prompt_ids: list[int], **kw) -> tuple[Sample, list[tuple[str, torch.Tensor]]]:
+        """Generate ONE sequence alone while the aligned model records its activation taps.
+        Alone, every forward holds only this sequence's rows: the prefill's prompt rows, then one
+        row per decode step, so concatenating a tap's records in call order gives its rows for
+        positions 0 .. len(prompt) + len(response) - 2 (the last sampled token is never fed back).
+        Aligned engines only (the stock model classes have no taps)."""
+        if not self.aligned:
+            raise ValueError("traced_generate needs an aligned engine (aligned=True)")
+        self._rpc("rz_trace", True)
+        try:
+            sample = self.generate([prompt_ids], n=1, **kw)[0]
+        finally:
+            import io
+
+            trace = torch.load(io.BytesIO(self._rpc("rz_trace", False)[0]), weights_only=True)
+        return sample, trace
+
+    def perturb_parameter(self, name: str, factor: float) -> None:
+        """Scale one vLLM parameter in place (fault injection for the localiser's self-test)."""
+        self._rpc("rz_perturb", name, float(factor))
+
     # ---- generation ----------------------------------------------------------------------------
     def generate(
         self,

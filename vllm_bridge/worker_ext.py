@@ -135,6 +135,27 @@ class WeightSyncExtension:
         if hasattr(self, "_rz_base_logit_scale"):
             self.model_runner.get_model().logits_processor.scale = self._rz_base_logit_scale
 
+    # ---- localisation (rz check) ----------------------------------------------------------------
+    def rz_trace(self, on: bool) -> bytes:
+        """Start (on=True) or stop recording the aligned model's activation taps
+        (vllm_bridge.aligned.reference.TRACE); stopping returns torch.save bytes of
+        [(name, tensor)] in call order (bytes: the RPC's serializer does not keep tensors)."""
+        import io
+
+        from vllm_bridge.aligned import reference
+
+        out = reference.TRACE or []
+        reference.TRACE = [] if on else None
+        buf = io.BytesIO()
+        torch.save([] if on else out, buf)
+        return buf.getvalue()
+
+    def rz_perturb(self, name: str, factor: float) -> None:
+        """Scale one parameter in place (the localiser's self-test injects a fault this way)."""
+        p = dict(self.model_runner.get_model().named_parameters())[name]
+        with torch.no_grad():
+            p.mul_(factor)
+
     def rz_pid(self) -> int:
         import os
 

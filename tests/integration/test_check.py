@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["warm_start.steps=20", "rollout.max_new_tokens=8", "logging.progress=false"]
 
 
-def _rz_check(recipe: str, run_dir: Path, *overrides: str, prompts: int = 16, samples: int = 2):
+def _rz_check(recipe: str, run_dir: Path, *overrides: str, prompts: int = 16, samples: int = 2, extra=()):
     cmd = [sys.executable, "-m", "megatron_rz.cli", "check", str(ROOT / "recipes" / recipe),
-           f"logging.run_dir={run_dir}", *SMALL, *overrides, "--prompts", str(prompts), "--samples", str(samples)]
+           f"logging.run_dir={run_dir}", *SMALL, *overrides, "--prompts", str(prompts), "--samples", str(samples),
+           *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
                          env={**os.environ, "WANDB_MODE": "offline"})
     report_path = run_dir / "check.json"
@@ -65,3 +66,25 @@ def test_aligned_tiny_moe_bf16_is_bitwise(tmp_path):
     out, report = _rz_check("tiny_moe.yaml", tmp_path, "mode=aligned", "model.dtype=bfloat16", prompts=8, samples=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert report["dtype"] == "bfloat16" and report["all_bitwise_equal"] is True
+
+
+def test_localiser_names_the_layer_and_op_of_an_injected_fault(moe_dir):
+    # Scale layer 1's post-attention norm weight in vLLM only: vLLM must first leave the reference
+    # at layer1.mlp_norm (every tap before it equal), while the learner stays equal everywhere.
+    out, report = _rz_check("tiny_moe.yaml", moe_dir, "mode=aligned", prompts=4, samples=2,
+                            extra=["--inject-fault", "vllm:model.layers.1.post_attention_layernorm.weight"])
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-5000:]
+    loc = report["localisation"]
+    assert loc["vllm"]["first_diverging_tap"] == "layer1.mlp_norm", loc
+    assert loc["vllm"]["taps_equal_before"] == 9 and loc["vllm"]["max_abs_diff"] > 0, loc
+    assert loc["learner"]["first_diverging_tap"] is None and loc["learner"]["taps_compared"] == 13, loc
+    assert "vLLM diverges first at layer1.mlp_norm" in out.stdout
+
+
+def test_localiser_on_the_learner_side(moe_dir):
+    out, report = _rz_check("tiny_moe.yaml", moe_dir, "mode=aligned", prompts=4, samples=2,
+                            extra=["--inject-fault", "learner:decoder.layers.0.self_attention.linear_proj.weight"])
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-5000:]
+    loc = report["localisation"]
+    assert loc["learner"]["first_diverging_tap"] == "layer0.attn_out", loc
+    assert loc["vllm"]["first_diverging_tap"] is None, loc

@@ -60,6 +60,18 @@ __all__ = [
 
 Getter = Callable[[str], torch.Tensor]
 
+# Activation taps for `rz check`'s localisation: when TRACE is a list, layer_forward and final_norm
+# append (name, tensor) in call order. Both the full-sequence reference and the vLLM model classes
+# (in vLLM's worker process) run these functions, so both sides record the same names; the
+# learner records them with Megatron module hooks (megatron_rz.localise). Off (None) otherwise.
+TRACE: list | None = None
+
+
+def tap(name: str, x: torch.Tensor) -> torch.Tensor:
+    if TRACE is not None:
+        TRACE.append((name, x.detach().clone()))
+    return x
+
 
 @dataclass
 class ArchConfig:
@@ -342,15 +354,16 @@ def layer_forward(
 ) -> torch.Tensor:
     """One decoder layer on ``h[T, H]``. ``attend(q, k, v) -> o [T, Hq, Dv]`` is the only part that
     differs between this reference (full sequences) and the vLLM model (paged KV cache)."""
-    x = kernels.rms_norm(h, w("input_layernorm.weight"), c.rms_norm_eps)
+    x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(h, w("input_layernorm.weight"), c.rms_norm_eps))
     q, k, v = qkv_forward(c, w, x, cos, sin)
-    h = h + attn_output(c, w, attend(q, k, v))
-    x = kernels.rms_norm(h, w("post_attention_layernorm.weight"), c.rms_norm_eps)
-    return h + mlp_forward(c, w, layer, x)
+    o = tap(f"layer{layer}.attention", attend(q, k, v))
+    h = h + tap(f"layer{layer}.attn_out", attn_output(c, w, o))
+    x = tap(f"layer{layer}.mlp_norm", kernels.rms_norm(h, w("post_attention_layernorm.weight"), c.rms_norm_eps))
+    return tap(f"layer{layer}.output", h + tap(f"layer{layer}.mlp", mlp_forward(c, w, layer, x)))
 
 
 def final_norm(c: ArchConfig, norm_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return kernels.rms_norm(h, norm_weight, c.rms_norm_eps)
+    return tap("final_norm", kernels.rms_norm(h, norm_weight, c.rms_norm_eps))
 
 
 def final_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
