@@ -88,3 +88,9 @@ def test_localiser_on_the_learner_side(moe_dir):
     loc = report["localisation"]
     assert loc["learner"]["first_diverging_tap"] == "layer0.attn_out", loc
     assert loc["vllm"]["first_diverging_tap"] is None, loc
+
+
+def test_aligned_tiny_dsv3_bf16_is_bitwise(tmp_path):
+    out, report = _rz_check("tiny_dsv3.yaml", tmp_path, "mode=aligned", "model.dtype=bfloat16", prompts=8, samples=2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert report["dtype"] == "bfloat16" and report["arch"] == "deepseek_v3" and report["all_bitwise_equal"] is True
