@@ -1,0 +1,365 @@
+"""Layout planner: does the recipe's parallel layout fit the cluster section's nodes and GPUs?
+
+`make_plan(recipe)` checks the GPU counts against the layouts and estimates per-GPU memory for the
+learner (weights, gradients, Adam state, activations, logits) and for the rollout engines
+(weights, KV cache); a layout that cannot run raises PlanError listing every problem with its
+numbers. Nothing here imports torch, Megatron or vLLM: it runs on a login node in milliseconds.
+
+Parameter counts follow the Hugging Face modules of each architecture (Qwen3-MoE / Qwen3 dense,
+DeepSeek-V3, DeepSeek-V4) exactly; tests compare them with meta-device instantiations.
+
+Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 GiB = 2^30 bytes):
+  learner, parameters on one rank: N = non-expert / (tp * pp) + routed experts / (ep * etp * pp)
+    weights    N * b
+    gradients  N * 4                  (fp32 main_grad: the learner uses grad_reduce_in_fp32)
+    optimizer  N * (12 if b == 2 else 8)   (fp32 master copy when b == 2, Adam m and v in fp32);
+               with plan.distributed_optimizer, divided by the data-parallel size of each part
+               (non-expert: dp; experts: tp * dp / (ep * etp))
+    activations  T = algo.micro_batch_size * seq_len tokens, split over tp (sequence parallel):
+               recompute none: (layers / pp) * pp in flight * T * a * b / tp
+               recompute full: (layers / pp) * pp * T * h * b / tp + T * a * b / tp (one layer redone)
+               a = elements kept per token and layer: 4h (residual stream, norms; x hc_mult for V4's
+                   hyper-connections) + attention (q, k, v, core output; MLA/V4 also the low-rank
+                   projections) + MLP (3 * ffn) or MoE (router logits + top_k * (h + 3 * moe_ffn) +
+                   shared * 3 * moe_ffn)
+    logits     T * vocab / tp * 4 * 2   (fp32 logits and their gradient for the logprob loss)
+    + plan.overhead_gb (CUDA context, NCCL buffers, fragmentation)
+  rollout, one engine over rollout.tensor_parallel_size GPUs:
+    weights    total params * b / engine_tp
+    KV cache   rollout.kv_cache_gb (vLLM kv_cache_memory_bytes, per GPU); it must hold one
+               sequence of seq_len tokens: per token 2 * kv_heads_per_gpu * head_dim * b * layers
+               (GQA), (kv_lora_rank + rope) * b * layers (MLA, replicated on each TP rank), or for
+               V4 the compressed entries in fp8 (head_dim + index_head_dim) / 4 per CSA layer and
+               head_dim / 128 per HCA layer, plus the sliding window per sequence
+    + plan.overhead_gb
+CPU-only components (gpus_per_node: 0) are planned and printed, not checked against a budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_rz.recipe import ModelConfig, Recipe, RecipeError
+
+GiB = float(1 << 30)
+
+
+class PlanError(RecipeError):
+    """A layout that cannot run on the cluster section's nodes, with the numbers."""
+
+
+# ============================================================================ parameter counts
+
+
+@dataclass
+class ParamCounts:
+    embedding: int = 0
+    output: int = 0
+    attention: int = 0  # all layers, incl. their norms, V4 compressors/indexers and hyper-connections
+    dense_mlp: int = 0  # dense layers' MLPs (first_k_dense, or every layer of a dense model)
+    shared_experts: int = 0
+    routed_experts: int = 0
+    router: int = 0
+    final_norm: int = 0
+    active_routed: int = 0  # routed expert parameters one token passes through (top_k of them)
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.output + self.attention + self.dense_mlp + self.shared_experts
+                + self.routed_experts + self.router + self.final_norm)
+
+    @property
+    def non_expert(self) -> int:
+        return self.total - self.routed_experts
+
+    @property
+    def active(self) -> int:
+        return self.non_expert + self.active_routed
+
+
+def _attention_params(m: ModelConfig, layer: int) -> int:
+    h, n = m.hidden_size, m.num_attention_heads
+    norms = 2 * h  # input and post-attention RMSNorm
+    if m.arch == "qwen3_moe":  # GQA with per-head q/k RMSNorm
+        d = m.head_dim
+        return h * n * d + 2 * h * m.num_kv_heads * d + n * d * h + 2 * d + norms
+    if m.arch == "deepseek_v3":  # MLA
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = h * n * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + n * m.v_head_dim * h + norms
+    # deepseek_v4: low-rank q, one shared KV head of head_dim, grouped low-rank output, sinks
+    d, ql, g, ol = m.head_dim, m.q_lora_rank or 0, m.o_groups, m.o_lora_rank
+    p = h * ql + ql + ql * n * d + h * d + d + n * d * ol + g * ol * h + n + norms
+    ratio = m.compress_ratios[layer]
+    if ratio == 128:  # heavily compressed attention: one compressor
+        p += 2 * h * d + ratio * d + d
+    elif ratio == 4:  # compressed sparse attention: overlapping compressor + lightning indexer
+        ih, idim = m.index_n_heads, m.index_head_dim
+        p += 2 * h * 2 * d + ratio * 2 * d + d
+        p += ql * ih * idim + 2 * h * 2 * idim + ratio * 2 * idim + idim + h * ih
+    hc = m.hc_mult
+    p += 2 * (hc * (2 + hc) * hc * h + hc * (2 + hc) + 3)  # attention and FFN hyper-connections
+    return p
+
+
+def count_params(m: ModelConfig) -> ParamCounts:
+    h, L = m.hidden_size, m.num_layers
+    c = ParamCounts()
+    c.embedding = m.vocab_size * h
+    c.output = 0 if m.tie_word_embeddings else m.vocab_size * h
+    c.final_norm = h
+    if m.arch == "deepseek_v4":  # hyper-connection head that merges the hc_mult streams
+        c.final_norm += m.hc_mult * m.hc_mult * h + m.hc_mult + 1
+    for i in range(L):
+        c.attention += _attention_params(m, i)
+        if m.num_experts == 0 or i < m.first_k_dense:
+            c.dense_mlp += 3 * h * m.dense_ffn_hidden_size
+        else:
+            expert = 3 * h * m.moe_ffn_hidden_size
+            c.routed_experts += m.num_experts * expert
+            c.active_routed += m.top_k * expert
+            c.shared_experts += m.num_shared_experts * expert
+            c.router += m.num_experts * h
+    return c
+
+
+# ============================================================================ the plan
+
+
+@dataclass
+class Plan:
+    recipe_name: str
+    params: ParamCounts
+    learner_ranks: int
+    learner_ranks_per_node: int
+    learner_gpus: int
+    rollout_gpus: int
+    seq_len: int
+    learner_mem: dict[str, float] = field(default_factory=dict)  # GiB per GPU (per rank on CPU)
+    learner_budget: float | None = None
+    rollout_mem: dict[str, float] = field(default_factory=dict)
+    rollout_budget: float | None = None
+    rollout_seqs_fit: float = 0.0
+    rollout_seqs_wanted: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def learner_total(self) -> float:
+        return sum(self.learner_mem.values())
+
+    @property
+    def rollout_total(self) -> float:
+        return sum(self.rollout_mem.values())
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 4
+
+
+def _act_elements_per_token(m: ModelConfig, moe_layer: bool) -> float:
+    h, n = m.hidden_size, m.num_attention_heads
+    a = 4 * h * (m.hc_mult if m.arch == "deepseek_v4" else 1)
+    if m.arch == "qwen3_moe":
+        a += 2 * n * m.head_dim + 2 * m.num_kv_heads * m.head_dim
+    elif m.arch == "deepseek_v3":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        a += (m.q_lora_rank or 0) + 2 * n * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * n * m.v_head_dim
+    else:
+        a += (m.q_lora_rank or 0) + 2 * n * m.head_dim + m.head_dim + m.o_groups * m.o_lora_rank
+    if moe_layer:
+        f = m.moe_ffn_hidden_size
+        a += m.num_experts * 2 + m.top_k * (h + 3 * f) + m.num_shared_experts * 3 * f  # fp32 router logits
+    else:
+        a += 3 * m.dense_ffn_hidden_size
+    return a
+
+
+def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int) -> tuple[float, float]:
+    """Rollout KV bytes per GPU: (per token, fixed per sequence)."""
+    b = _bytes(m.dtype)
+    if m.arch == "qwen3_moe":
+        heads = math.ceil(m.num_kv_heads / engine_tp)  # replicated when tp > kv heads
+        return 2 * heads * m.head_dim * b * m.num_layers, 0.0
+    if m.arch == "deepseek_v3":
+        return (m.kv_lora_rank + m.qk_rope_head_dim) * b * m.num_layers, 0.0
+    per_tok = 0.0
+    for r in m.compress_ratios:  # fp8 entries (vLLM keeps DeepSeek-V4's cache in fp8)
+        if r == 4:
+            per_tok += (m.head_dim + m.index_head_dim) / 4
+        elif r == 128:
+            per_tok += m.head_dim / 128
+    return per_tok, float(m.num_layers * m.sliding_window * m.head_dim)
+
+
+def make_plan(recipe: Recipe) -> Plan:
+    """The memory plan of the recipe on its cluster section; PlanError lists what cannot work."""
+    m, p, r, c = recipe.model, recipe.parallel, recipe.rollout, recipe.cluster
+    L, Lg, plan_cfg = c.learner, c.rollout, c.plan  # the learner's and the rollout's node groups
+    errors: list[str] = []
+    notes: list[str] = []
+    params = count_params(m)
+
+    # ---- learner layout vs nodes and GPUs
+    world = p.tp * p.pp * p.dp
+    if m.num_experts == 0 and (p.ep > 1 or p.etp > 1):
+        errors.append(f"parallel.ep={p.ep}, etp={p.etp} on a dense model (model.num_experts=0): set both to 1")
+    if m.num_layers % p.pp:
+        errors.append(f"parallel.pp={p.pp} must divide model.num_layers={m.num_layers}")
+    if (p.tp * p.dp) % (p.ep * p.etp):
+        errors.append(f"ep*etp={p.ep * p.etp} must divide tp*dp={p.tp * p.dp}")
+    if L.gpus_per_node > 0:
+        gpus = L.nodes * L.gpus_per_node
+        ranks_per_node = L.gpus_per_node
+        if world != gpus:
+            errors.append(
+                f"learner layout tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {world} ranks, but cluster.learner has "
+                f"{L.nodes} nodes x {L.gpus_per_node} GPUs = {gpus}: make them equal (one rank per GPU)"
+            )
+        if p.tp > L.gpus_per_node or L.gpus_per_node % p.tp:
+            errors.append(
+                f"parallel.tp={p.tp} must divide cluster.learner.gpus_per_node={L.gpus_per_node}: tensor "
+                "parallelism stays inside a node (NVLink)"
+            )
+    else:
+        gpus = 0
+        ranks_per_node = L.procs_per_node or max(1, world // L.nodes)
+        if L.nodes * ranks_per_node != world:
+            errors.append(
+                f"learner layout tp*pp*dp = {world} ranks cannot be spread as {ranks_per_node} per node over "
+                f"cluster.learner.nodes={L.nodes}: make nodes * procs_per_node = {world}"
+            )
+
+    # ---- rollout layout
+    etp = r.tensor_parallel_size
+    if m.num_attention_heads % etp:
+        errors.append(f"rollout.tensor_parallel_size={etp} must divide model.num_attention_heads={m.num_attention_heads}")
+    if Lg.gpus_per_node > 0:
+        rgpus = Lg.nodes * Lg.gpus_per_node
+        if r.num_engines * etp != rgpus:
+            errors.append(
+                f"rollout.num_engines * tensor_parallel_size = {r.num_engines} * {etp} = {r.num_engines * etp} GPUs, "
+                f"but cluster.rollout has {Lg.nodes} nodes x {Lg.gpus_per_node} GPUs = {rgpus}: make them equal"
+            )
+        if not (Lg.gpus_per_node % etp == 0 or etp % Lg.gpus_per_node == 0):
+            errors.append(
+                f"rollout.tensor_parallel_size={etp} must divide or be a multiple of cluster.rollout.gpus_per_node="
+                f"{Lg.gpus_per_node} (an engine fills whole nodes or shares one)"
+            )
+    else:
+        rgpus = 0
+
+    # ---- learner memory per GPU (per rank on CPU)
+    seq = plan_cfg.seq_len or m.max_position_embeddings
+    b = _bytes(m.dtype)
+    n_ne = params.non_expert / (p.tp * p.pp)
+    n_e = params.routed_experts / (p.ep * p.etp * p.pp)
+    opt_b = 12 if b == 2 else 8
+    if plan_cfg.distributed_optimizer:
+        edp = max(1, (p.tp * p.dp) // (p.ep * p.etp))
+        opt = (n_ne * opt_b / p.dp + n_e * opt_b / edp)
+        notes.append("assumes Megatron's distributed optimizer (plan.distributed_optimizer): the learner builds "
+                     "use_distributed_optimizer=False today, so switch it on before running this layout")
+    else:
+        opt = (n_ne + n_e) * opt_b
+    T = recipe.algo.micro_batch_size * seq
+    moe_layers = 0 if m.num_experts == 0 else m.num_layers - m.first_k_dense
+    a_max = max(_act_elements_per_token(m, True) if moe_layers else 0.0,
+                _act_elements_per_token(m, False) if moe_layers < m.num_layers else 0.0)
+    a_sum = (moe_layers * (_act_elements_per_token(m, True) if moe_layers else 0.0)
+             + (m.num_layers - moe_layers) * _act_elements_per_token(m, False))
+    if plan_cfg.recompute == "full":
+        act = (m.num_layers * T * m.hidden_size * b + T * a_max * b) / p.tp
+    else:
+        act = T * a_sum * b / p.tp
+    learner_mem = {
+        "weights": (n_ne + n_e) * b / GiB,
+        "gradients": (n_ne + n_e) * 4 / GiB,
+        "optimizer": opt / GiB,
+        "activations": act / GiB,
+        "logits": T * m.vocab_size / p.tp * 4 * 2 / GiB,
+    }
+    if L.gpus_per_node > 0:
+        learner_mem["overhead"] = plan_cfg.overhead_gb
+        total = sum(learner_mem.values())
+        if total > L.gpu_memory_gb:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in learner_mem.items())
+            errors.append(
+                f"learner needs {total:.1f} GiB per GPU ({parts}) but cluster.learner.gpu_memory_gb="
+                f"{L.gpu_memory_gb:g}: raise parallel.ep/tp/dp with more GPUs, lower algo.micro_batch_size or "
+                "plan.seq_len, or set cluster.plan.recompute=full / distributed_optimizer=true"
+            )
+
+    # ---- rollout memory per GPU
+    per_tok, per_seq = _kv_per_token_and_seq(m, etp)
+    seq_bytes = seq * per_tok + per_seq
+    kv = r.kv_cache_gb * GiB
+    seqs_fit = kv / seq_bytes if seq_bytes else float("inf")
+    rollout_mem = {"weights": params.total * b / etp / GiB, "kv_cache": r.kv_cache_gb}
+    wanted = min(r.max_num_seqs, math.ceil(r.prompts_per_step * r.samples_per_prompt / max(1, r.num_engines)))
+    if seqs_fit < 1:
+        errors.append(
+            f"rollout.kv_cache_gb={r.kv_cache_gb:g} holds {seqs_fit:.2f} sequences of {seq} tokens "
+            f"({seq_bytes / GiB:.2f} GiB each per GPU): raise rollout.kv_cache_gb or lower model.max_position_embeddings"
+        )
+    elif seqs_fit < wanted:
+        notes.append(f"rollout KV cache holds {int(seqs_fit)} full-length sequences per engine; "
+                     f"{wanted} are submitted at once, so longer batches queue inside the engine")
+    if Lg.gpus_per_node > 0:
+        rollout_mem["overhead"] = plan_cfg.overhead_gb
+        total = sum(rollout_mem.values())
+        if total > Lg.gpu_memory_gb:
+            errors.append(
+                f"rollout engine needs {total:.1f} GiB per GPU (weights {rollout_mem['weights']:.1f} over "
+                f"tensor_parallel_size={etp}, KV cache {r.kv_cache_gb:g}, overhead {plan_cfg.overhead_gb:g}) but "
+                f"cluster.rollout.gpu_memory_gb={Lg.gpu_memory_gb:g}: raise rollout.tensor_parallel_size or "
+                "lower rollout.kv_cache_gb"
+            )
+
+    if errors:
+        raise PlanError(f"layout of {recipe.name!r} cannot run on its cluster section:\n  - " + "\n  - ".join(errors))
+    return Plan(
+        recipe_name=recipe.name, params=params, learner_ranks=world, learner_ranks_per_node=ranks_per_node,
+        learner_gpus=gpus, rollout_gpus=rgpus, seq_len=seq, learner_mem=learner_mem,
+        learner_budget=L.gpu_memory_gb if L.gpus_per_node else None, rollout_mem=rollout_mem,
+        rollout_budget=Lg.gpu_memory_gb if Lg.gpus_per_node else None, rollout_seqs_fit=seqs_fit,
+        rollout_seqs_wanted=wanted, notes=notes,
+    )
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def format_plan(plan: Plan, recipe: Recipe) -> str:
+    m, p, r, c = recipe.model, recipe.parallel, recipe.rollout, recipe.cluster
+    pc = plan.params
+    kind = "dense" if m.num_experts == 0 else f"{m.num_experts} experts top-{m.top_k}" + (
+        f" + {m.num_shared_experts} shared" if m.num_shared_experts else "")
+    where = lambda g: f"{g.nodes} node(s) x {g.gpus_per_node} GPU(s)" if g.gpus_per_node else f"{g.nodes} CPU node(s)"  # noqa: E731
+    lines = [
+        f"memory plan: {recipe.name} ({m.arch}, {kind}, {m.dtype})",
+        f"  parameters: total {_b(pc.total)}, active per token {_b(pc.active)} "
+        f"(routed experts {_b(pc.routed_experts)}, non-expert {_b(pc.non_expert)})",
+        f"  learner: {where(c.learner)}, {plan.learner_ranks} ranks ({plan.learner_ranks_per_node} per node), "
+        f"tp={p.tp} pp={p.pp} dp={p.dp} ep={p.ep} etp={p.etp}; micro batch {recipe.algo.micro_batch_size} x "
+        f"{plan.seq_len} tokens, recompute={c.plan.recompute}, distributed optimizer={c.plan.distributed_optimizer}",
+    ]
+    unit = "GiB per GPU" if plan.learner_budget else "GiB per rank (CPU: not checked)"
+    lines.append("    " + ", ".join(f"{k} {v:.2f}" for k, v in plan.learner_mem.items())
+                 + f" = {plan.learner_total:.2f} {unit}"
+                 + (f" of {plan.learner_budget:g} ({100 * plan.learner_total / plan.learner_budget:.0f}%)"
+                    if plan.learner_budget else ""))
+    lines.append(f"  rollout: {where(c.rollout)}, {r.num_engines} engine(s) x tensor_parallel_size="
+                 f"{r.tensor_parallel_size}")
+    unit = "GiB per GPU" if plan.rollout_budget else "GiB per engine (CPU: not checked)"
+    lines.append("    " + ", ".join(f"{k} {v:.2f}" for k, v in plan.rollout_mem.items())
+                 + f" = {plan.rollout_total:.2f} {unit}"
+                 + (f" of {plan.rollout_budget:g} ({100 * plan.rollout_total / plan.rollout_budget:.0f}%)"
+                    if plan.rollout_budget else ""))
+    fit = "unbounded" if math.isinf(plan.rollout_seqs_fit) else f"{plan.rollout_seqs_fit:.0f}"
+    lines.append(f"    KV cache holds {fit} sequences of {plan.seq_len} tokens per engine "
+                 f"({plan.rollout_seqs_wanted} submitted at once)")
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)
