@@ -6,7 +6,7 @@
     rz bench async RECIPE [overrides]        updates/s async (max_lag 2) vs sync (ratio, one run)
     rz validate RECIPE [overrides]           check a recipe and print the resolved values
     rz make-model RECIPE --out DIR           tokenizer + tiny HF checkpoint + warm start
-    rz plot RUN_DIR                          redraw the PNG plots from metrics.jsonl
+    rz plot RUN_DIR [RUN_DIR ... --out DIR]  redraw the PNG plots; several runs: overlay D3, reward, KL
     rz submit RECIPE [overrides] [--dry-run] run on SLURM (the recipe's cluster section; docs/slurm.md)
 """
 
@@ -125,9 +125,17 @@ def cmd_submit(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from megatron_rz.metrics import plot_run
+    from megatron_rz.metrics import plot_compare, plot_run
 
-    for p in plot_run(Path(args.run_dir)):
+    missing = [d for d in args.run_dir if not (Path(d) / "metrics.jsonl").is_file()]
+    if missing:
+        raise RecipeError(f"no metrics.jsonl in {missing}: pass run directories written by rz train")
+    if len(args.run_dir) == 1 and not args.out:
+        written = plot_run(Path(args.run_dir[0]))
+    else:
+        labels = args.labels.split(",") if args.labels else None
+        written = plot_compare([Path(d) for d in args.run_dir], Path(args.out or "plots_compare"), labels)
+    for p in written:
         print(p)
     return 0
 
@@ -178,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and memory plan, submit nothing")
     p.add_argument("--run-dir", default=None, help="continue this run dir (resumes its latest checkpoint)")
     p.set_defaults(fn=cmd_submit)
-    p = sub.add_parser("plot", help="redraw plots from a run dir's metrics.jsonl")
-    p.add_argument("run_dir")
+    p = sub.add_parser("plot", help="redraw a run's plots; with several run dirs, overlay them (--out DIR)")
+    p.add_argument("run_dir", nargs="+")
+    p.add_argument("--out", default=None, help="directory for the comparison plots")
+    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run dir")
     p.set_defaults(fn=cmd_plot)
     args = parser.parse_args(argv)
     try:

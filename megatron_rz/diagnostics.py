@@ -4,7 +4,10 @@ All statistics are over response tokens (loss_mask == 1). With w = pi_learner / 
 - D3 = mean(w - 1 - log w), which is also the k3 estimator of KL(rollout || learner);
 - kl_k1 = mean(logp_rollout - logp_learner), the plain (unbiased, noisy) estimator;
 - ess = (sum w)^2 / (n * sum w^2), the normalised effective sample size (1.0 = on-policy);
-- frac_bitwise = fraction of tokens whose two logprobs are equal bit for bit.
+- frac_bitwise = fraction of tokens whose two logprobs are equal bit for bit;
+- entropy_est = -mean(logp_rollout): the sampled tokens' mean surprisal, a Monte-Carlo estimate of
+  the rollout policy's per-token entropy (exact entropy needs the full vocabulary distribution,
+  which neither engine returns per token).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def mismatch_stats(learner_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         "is_w_min": w.min().item(),
         "ess": (w.sum() ** 2 / (w.numel() * (w**2).sum())).item(),
         "tokens": int(new.numel()),
+        "entropy_est": (-old).mean().item(),
     }
 
 

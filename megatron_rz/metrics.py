@@ -15,9 +15,21 @@ PLOTS = {
     "kl.png": [("kl_k1", "KL k1 (rollout || learner)"), ("d3", "D3 = mean(w - 1 - log w)")],
     "mismatch.png": [("max_abs_dlogp", "max |dlogp| rollout vs learner"), ("mean_abs_dlogp", "mean |dlogp|")],
     "step_time.png": [("time_rollout", "rollout"), ("time_learner", "learner"), ("time_sync", "weight sync")],
+    "is_weight.png": [("is_w_max", "IS weight max"), ("is_w_mean", "IS weight mean"), ("ess", "ESS / N")],
+    "grad_norm.png": [("grad_norm", "grad norm (before clipping)")],
+    "lag.png": [("lag_mean", "policy lag mean (updates)"), ("lag_max", "policy lag max")],
+    "entropy.png": [("entropy_est", "entropy (MC estimate, nats/token)"), ("response_len", "response length")],
 }
 
 LOG_SCALE = {"kl.png", "mismatch.png"}
+
+# Overlays for comparing runs (`rz plot RUN_A RUN_B ... --out DIR`): one line per run.
+COMPARE = {
+    "compare_d3.png": ("d3", "D3 = mean(w - 1 - log w) per update", True),
+    "compare_d3_peak_over_median.png": ("d3_peak_over_median", "D3 running peak / median", False),
+    "compare_reward.png": ("reward_mean", "train reward (mean)", False),
+    "compare_kl.png": ("kl_k1", "KL k1 (rollout || learner)", True),
+}
 
 
 class MetricsLogger:
@@ -100,3 +112,35 @@ def plot_run(run_dir: Path) -> list[Path]:
         plt.close(fig)
         out.append(path)
     return out
+
+
+def plot_compare(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = None) -> list[Path]:
+    """Overlay one metric of several runs per figure (e.g. D3 of aligned vs fast at lag 2 and 8)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or [Path(d).name for d in run_dirs]
+    runs = [read_metrics(Path(d) / "metrics.jsonl") for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fname, (key, title, log) in COMPARE.items():
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for rows, label in zip(runs, labels):
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, lw=1.2, label=label)
+        if log:
+            ax.set_yscale("symlog", linthresh=1e-12)
+        ax.set_xlabel("update")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=100)
+        plt.close(fig)
+        written.append(out_dir / fname)
+    return written
