@@ -156,7 +156,7 @@ class ClusterConfig(_Strict):
     env: dict[str, str] = {}  # extra environment for both components (e.g. NCCL_SOCKET_IFNAME)
     python: str = "python"  # interpreter on the nodes (relative paths are under workdir)
     workdir: str | None = None  # the repository on the shared filesystem (default: where rz submit runs)
-    log_dir: str = "slurm_logs"  # sbatch scripts and job logs (relative: under workdir)
+    log_dir: str = "runs/slurm/logs"  # sbatch scripts, resolved recipes, job logs (relative: under workdir)
     run_root: str = "runs/slurm"  # run dirs: <run_root>/<recipe name>-<job id>
     sbatch_extra: list[str] = []  # further #SBATCH options for the whole job, e.g. "--exclusive"
     # Seconds before the time limit (or on preemption notice) that SLURM sends USR1 to the batch
