@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rz import preemption
 from megatron_rz.recipe import Recipe, dump_recipe
 from megatron_rz.resume import checkpoint_dir, resolve_load, step_rng, truncate_metrics
 from megatron_rz.resume import eval_before as logged_eval_before
@@ -587,6 +588,8 @@ def train_async(recipe: Recipe) -> dict:
             every = recipe.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
                 learner.save_checkpoint(checkpoint_dir(run_dir, step + 1), step=step + 1)
+            # SLURM's warning signal: checkpoint this step and exit for requeue (rz submit)
+            preemption.checkpoint_and_exit_if_requested(learner, run_dir, step + 1, recipe.schedule.steps)
 
         learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
         final_weights = list(learner.export_hf_weights())
