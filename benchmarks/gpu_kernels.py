@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels_h200.json
     PYTHONPATH=. python benchmarks/gpu_kernels.py --sweep --out sweep.json   # every GEMM config
+    PYTHONPATH=. python benchmarks/gpu_kernels.py --groups rope router attention moe fp8 decode \
+        --out benchmarks/results/gpu_ops_h200.json                              # the newer groups
 
 Timing: each op is captured ITERS times into a CUDA graph (cycling through several weight / input
 copies so that the weights do not sit in L2), the graph is replayed REPS times, and the median per-op
@@ -9,6 +11,13 @@ time is reported. The baseline is measured the same way in the same process: def
 (``x @ W.T``, bf16, with its workspace, i.e. the batch-variant library path) for GEMM,
 ``F.rms_norm`` for RMSNorm and ``(logits.float() / T).log_softmax(-1).gather`` for log-probs.
 ratio = baseline time / Triton time (>= 1: Triton as fast or faster).
+
+Groups (``--groups``): gemm, rmsnorm, logprobs (the first three, default set of earlier runs), rope,
+router, attention, moe, fp8, decode. Baselines of the newer groups: RoPE and router in torch ops
+(graph-captured), SDPA (flash) for attention, ``torch._grouped_mm`` for the routed experts,
+``torch._scaled_mm`` (blockwise 1x128 / 128x128 scales where this torch supports it) for FP8, and for
+``decode`` one decode step of the ~1B MoE model of benchmarks/moe_model.py built from stock torch ops
+(cuBLAS, SDPA, _grouped_mm) vs the same model built from our aligned ops, both graph-captured.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GEMM_SHAPES = [(4096, 4096), (7168, 2048), (2048, 7168), (4096, 14336), (14336, 4096)]  # (K, N)
 GEMM_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -112,12 +122,36 @@ def run_sweep(args):
 
 
 def run_main(args):
+    from gpu_ops_bench import NEW_GROUPS  # benchmarks/gpu_ops_bench.py
+
+    out = {}
+    groups = args.groups
+    old = [g for g in groups if g in ("gemm", "rmsnorm", "logprobs")]
+    if old:
+        out.update({k: v for k, v in run_old(args, old).items() if v})
+    for g in groups:
+        if g in NEW_GROUPS:
+            print(f"\n=== {g} ===", flush=True)
+            try:
+                out[g] = NEW_GROUPS[g](args)
+            except Exception as e:  # noqa: BLE001  (keep the other groups' results)
+                import traceback
+
+                traceback.print_exc()
+                out[g] = {"error": f"{type(e).__name__}: {e}"}
+            if args.out:  # partial results survive a time-out
+                with open(args.out, "w") as f:
+                    json.dump(out, f, indent=1)
+    return out
+
+
+def run_old(args, groups):
     from kernels.triton import logprobs_from_logits, rms_norm
     from kernels.triton.gemm import default_k_segments, pick_config
 
     out = {"gemm": [], "rmsnorm": [], "logprobs": []}
     print(f"{'K':>6} {'N':>6} {'M':>5} {'config':>22} {'cuBLAS us':>10} {'triton us':>10} {'TF/s':>7} {'ratio':>6}")
-    for K, N in GEMM_SHAPES:
+    for K, N in (GEMM_SHAPES if "gemm" in groups else []):
         nseg = default_k_segments(K, N)
         for M in args.ms:
             t_c, t_t = gemm_case(K, N, M)
@@ -129,7 +163,7 @@ def run_main(args):
                                     triton_us=t_t * 1e3, triton_tflops=tf, ratio=t_c / t_t))
     print(f"\n{'D':>6} {'rows':>6} {'dtype':>9} {'torch us':>9} {'triton us':>9} {'ratio':>6}")
     F = torch.nn.functional
-    for D in (128, 4096, 7168):
+    for D in ((128, 4096, 7168) if "rmsnorm" in groups else ()):
         for R in (1, 64, 4096, 32768):
             for dt in (torch.bfloat16,):
                 n = _copies(R * D * 2 * 2)
@@ -142,7 +176,7 @@ def run_main(args):
                                            triton_us=t_tri * 1e3, ratio=t_ref / t_tri))
                 del xs
     print(f"\n{'V':>7} {'rows':>6} {'dtype':>9} {'torch us':>9} {'triton us':>9} {'ratio':>6}")
-    for V in (32000, 151936):
+    for V in ((32000, 151936) if "logprobs" in groups else ()):
         for R in (1, 64, 1024, 4096):
             dt = torch.bfloat16
             n = _copies(R * V * 2)
@@ -160,38 +194,7 @@ def run_main(args):
             out["logprobs"].append(dict(V=V, rows=R, dtype=str(dt), temperature=T, torch_us=t_ref * 1e3,
                                         triton_us=t_tri * 1e3, ratio=t_ref / t_tri))
             del ls
-    try:
-        from kernels.triton import attention  # noqa: F401
-
-        out["attention"] = bench_attention()
-    except ImportError:
-        pass
     return out
-
-
-def bench_attention():
-    from kernels.triton import attention
-
-    rows = []
-    F = torch.nn.functional
-    print(f"\n{'mode':>8} {'S':>6} {'T':>5} {'torch sdpa us':>13} {'triton us':>9} {'ratio':>6}")
-    Hq, Hkv, D = 32, 8, 128
-    for mode, S, T in (("prefill", 1024, 1024), ("prefill", 4096, 4096), ("decode", 4096, 1), ("decode", 32768, 1)):
-        q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(S, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(S, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        pos = torch.arange(S - T, S, device="cuda")
-        qt = q.transpose(0, 1)[None]
-        kt = k.transpose(0, 1)[None]
-        vt = v.transpose(0, 1)[None]
-        causal = mode == "prefill"
-        t_ref = bench_graph(lambda i: (lambda: F.scaled_dot_product_attention(
-            qt, kt, vt, is_causal=causal, enable_gqa=True)), 1, iters=10)
-        t_tri = bench_graph(lambda i: (lambda: attention(q, k, v, pos, D ** -0.5)), 1, iters=10)
-        print(f"{mode:>8} {S:6d} {T:5d} {t_ref*1e3:13.1f} {t_tri*1e3:9.1f} {t_ref/t_tri:6.2f}", flush=True)
-        rows.append(dict(mode=mode, S=S, T=T, Hq=Hq, Hkv=Hkv, D=D, sdpa_us=t_ref * 1e3, triton_us=t_tri * 1e3,
-                         ratio=t_ref / t_tri))
-    return rows
 
 
 def main():
@@ -199,6 +202,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ms", type=int, nargs="*", default=GEMM_MS)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fp8-sweep", action="store_true", help="also time every FP8 config at M >= 128")
+    ap.add_argument("--groups", nargs="*", default=["gemm", "rmsnorm", "logprobs", "attention"])
     args = ap.parse_args()
     t0 = time.time()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

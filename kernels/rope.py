@@ -48,6 +48,7 @@ def rope_cos_sin(
     ``inv_freq``: override (e.g. YaRN / Llama-3 scaled frequencies), converted to float64.
     """
     f = rope_inv_freq(rotary_dim, base) if inv_freq is None else inv_freq.to(torch.float64)
+    f = f.to(positions.device)
     ang = positions.to(torch.float64).unsqueeze(-1) * f
     cos = torch.cos(ang)
     sin = torch.sin(ang)

@@ -24,7 +24,18 @@ _EXPORTS = {
     "rms_norm": "rmsnorm",
     "logprobs_from_logits": "logprobs",
     "token_logprobs": "logprobs",
-    "attention": "attention",
+    "attention": "attn",
+    "attention_batched": "attn",
+    "apply_rope": "rope",
+    "route": "router",
+    "swiglu": "moe",
+    "moe_combine": "moe",
+    "moe_experts": "moe",
+    "moe_experts_merged": "moe",
+    "grouped_linear": "moe",
+    "quantize_act_groupwise": "fp8",
+    "fp8_gemm": "fp8",
+    "fp8_linear": "fp8",
 }
 
 __all__ = sorted(_EXPORTS) + ["available"]

@@ -1,21 +1,34 @@
-"""Batch-invariant causal attention on the GPU (Triton): one fixed KV tile order for every query.
+"""Batch-invariant causal attention on the GPU (Triton): one fixed KV order for every query.
 
-``attention(q[T, Hq, D], k[S, Hkv, D], v[S, Hkv, Dv], q_positions[T], scale)`` -> ``[T, Hq, Dv]``.
-Queries of one call belong to one sequence; query t attends to keys 0..q_positions[t] (GQA: query
-head h reads KV head h // (Hq // Hkv)). Same contract as the CPU reference (kernels/attn.py).
+``attention(q[T, Hq, D], k[S, Hkv, D], v[S, Hkv, Dv], q_positions[T], scale)`` -> ``[T, Hq, Dv]``
+(one sequence) and ``attention_batched`` (many sequences over a ``[B, S, Hkv, D]`` cache). Query t
+attends to keys 0..q_positions[t] (GQA: query head h reads KV head h // (Hq // Hkv)). Same contract
+as the CPU reference (kernels/attn.py).
 
 Order that decides the bits, the same in prefill, chunked prefill and decode:
 
-* KV tiles of ``BLOCK_N = 64`` keys from key 0 upwards (no split-KV); a program stops after the tile
-  holding its last query's position. For a query, tiles past its own position are fully masked and
-  are exact no-ops (max unchanged, ``alpha = 1``, ``p = 0``), so the number of tiles a program runs
-  does not change the query's bits, nor do keys or zero-padded slots past its position;
-* scores: one fp32 ``tl.dot`` over D, then ``* scale``; masked scores are ``-inf`` -> ``p = 0``;
-* online softmax: ``m_new = max(m, rowmax(s))``, ``alpha = exp(m - m_new)``, ``p = exp(s - m_new)``,
-  ``l = l * alpha + rowsum(p)``, ``acc = acc * alpha + dot(p.to(v.dtype), v)`` (P is rounded to V's
+* the keys are cut into **fixed chunks of ``KV_CHUNK = 256`` positions** (chunk c = keys
+  ``[256c, 256c + 256)``), each chunk into KV tiles of ``BLOCK_N = 64`` keys;
+* within a chunk, an online softmax from a fresh state over its tiles in order: scores are one fp32
+  ``tl.dot`` over D, then ``* scale``; masked scores ``-inf`` -> ``p = 0``;
+  ``m_new = max(m, rowmax(s))``, ``alpha = exp(m - m_new)``, ``p = exp(s - m_new)``,
+  ``l = l * alpha + rowsum(p)``, ``acc = acc * alpha + dot(p.to(v.dtype), v)`` (P rounded to V's
   dtype for the P@V product, as in FlashAttention; both sides run this kernel);
-* ``out = acc / l`` (IEEE division), rounded once.
+* the chunk states are merged **in chunk order** from ``(M, L, ACC) = (-inf, 0, 0)``:
+  ``M' = max(M, m_c)``, ``a = exp(M - M')``, ``b = exp(m_c - M')``, ``L = L*a + l_c*b``,
+  ``ACC = ACC*a + acc_c*b``; ``out = ACC / L`` (IEEE division), rounded once.
 
+Tiles and chunks past a query's position are fully masked and are exact no-ops, so neither the
+number of tiles a program runs nor keys / zero-padded slots past the position change a query's bits.
+Prefill programs run the chunks one after the other inside one program; decode (``max_q_len == 1``)
+runs **one program per (chunk, sequence, KV head)** -- split-KV with split points fixed in key
+positions -- and a second kernel merges the fp32 chunk states in chunk order with the same
+operations: bitwise the same result (tested), with enough programs to fill the GPU at batch 1.
+
+Fixed for every call (part of the numerics): ``BLOCK_M = 64`` rows per program (the row sums'
+order follows the MMA layout, which changes with BLOCK_M), ``BLOCK_N``, ``KV_CHUNK``, num_warps 4,
+and FMA contraction off in all three kernels (each ``x*y + z`` is a multiply then an add, so the
+in-program merge and the merge kernel cannot be contracted differently).
 Every K/V row a program reads up to its last tile must be finite (as on CPU).
 Not bitwise equal to the CPU reference (bf16 P, different trees).
 """
@@ -28,13 +41,71 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention", "BLOCK_N", "BLOCK_M"]
+__all__ = ["attention", "attention_batched", "BLOCK_N", "BLOCK_M", "KV_CHUNK"]
 
 BLOCK_N = 64  # KV tile: fixed, part of the numerics contract
-# Queries per program: fixed too. The row sums (tl.sum over the KV tile) reduce in an order set by
-# the MMA output layout, which changes with BLOCK_M (measured on H200: BLOCK_M 16 vs 64 changed
-# bits), so decode uses the same 64-query tile as prefill (its unused rows cost no memory traffic).
-BLOCK_M = 64
+BLOCK_M = 64  # rows (query, head) per program: fixed too (see module docstring)
+KV_CHUNK = 256  # keys per chunk: fixed split points in key positions
+NUM_WARPS = 4
+
+
+@triton.jit
+def _chunk_state(q, kb, vb, pos, lo, hi, S, sk_s, sv_s, scale, rd, rdv,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Online softmax from a fresh state over keys [lo, hi) in BLOCK_N tiles (lo tile-aligned)."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        rn = start + tl.arange(0, BLOCK_N)
+        kv_ok = rn < S
+        k = tl.load(kb + rn[:, None] * sk_s + rd[None, :], mask=kv_ok[:, None] & (rd[None, :] < D), other=0.0)
+        s = tl.dot(q, k.T) * scale
+        valid = (rn[None, :] <= pos[:, None]) & kv_ok[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vb + rn[:, None] * sv_s + rdv[None, :], mask=kv_ok[:, None] & (rdv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(M, L, ACC, m_c, l_c, acc_c):
+    """Fold chunk state (m_c, l_c, acc_c) into (M, L, ACC); elementwise only."""
+    M_new = tl.maximum(M, m_c)
+    M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)
+    a = tl.exp(M - M_safe)
+    b = tl.exp(m_c - M_safe)
+    L = L * a + l_c * b
+    ACC = ACC * a[:, None] + acc_c * b[:, None]
+    return M_new, L, ACC
+
+
+@triton.jit
+def _rows_chunked(q, kb, vb, pos, hi, S, sk_s, sv_s, scale, rd, rdv,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+    M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    L = tl.zeros((BLOCK_M,), tl.float32)
+    ACC = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for lo in range(0, hi, KV_CHUNK):
+        m_c, l_c, acc_c = _chunk_state(q, kb, vb, pos, lo, tl.minimum(lo + KV_CHUNK, hi), S, sk_s, sv_s, scale,
+                                       rd, rdv, D, DV, BLOCK_M, BLOCK_DV, BLOCK_N)
+        M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
+    return L, ACC
+
+
+@triton.jit
+def _finish(L, ACC):
+    l_safe = tl.where(L == 0.0, 1.0, L)
+    return tl.math.div_rn(ACC, l_safe[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "S"])
@@ -42,7 +113,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S,
                  sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h, scale,
                  GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // GROUP
@@ -54,29 +125,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, T, S,
     q = tl.load(q_ptr + rm[:, None] * sq_t + h * sq_h + rd[None, :],
                 mask=mm[:, None] & (rd[None, :] < D), other=0.0)
     hi = tl.minimum(tl.max(pos, axis=0) + 1, S)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for start in range(0, hi, BLOCK_N):
-        rn = start + tl.arange(0, BLOCK_N)
-        kv_ok = rn < S
-        k = tl.load(k_ptr + rn[:, None] * sk_s + kh * sk_h + rd[None, :],
-                    mask=kv_ok[:, None] & (rd[None, :] < D), other=0.0)
-        s = tl.dot(q, k.T) * scale
-        valid = (rn[None, :] <= pos[:, None]) & kv_ok[None, :]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rn[:, None] * sv_s + kh * sv_h + rdv[None, :],
-                    mask=kv_ok[:, None] & (rdv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = tl.math.div_rn(acc, l_safe[:, None])
+    L, ACC = _rows_chunked(q, k_ptr + kh * sk_h, v_ptr + kh * sv_h, pos, hi, S, sk_s, sv_s, scale, rd, rdv,
+                           D, DV, BLOCK_M, BLOCK_DV, BLOCK_N, KV_CHUNK)
+    out = _finish(L, ACC)
     tl.store(o_ptr + rm[:, None] * so_t + h * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mm[:, None] & (rdv[None, :] < DV))
 
@@ -97,12 +148,161 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_p
     if T == 0:
         return out
     pos = q_positions.to(device=q.device, dtype=torch.int32).contiguous()
-    bm = BLOCK_M
-    grid = (triton.cdiv(T, bm), Hq)
+    grid = (triton.cdiv(T, BLOCK_M), Hq)
     _attn_kernel[grid](
         q, k_cache, v_cache, pos, out, T, S, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         float(scale), GROUP=Hq // Hkv, D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_DV=triton.next_power_of_2(Dv), BLOCK_M=bm, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=2)
+        BLOCK_DV=triton.next_power_of_2(Dv), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK,
+        num_warps=NUM_WARPS, num_stages=2, enable_fp_fusion=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# batched / GQA-packed variant (decode batches, prefill with KV reuse across the query-head group)
+
+
+@triton.jit
+def _batched_rows(q_ptr, pos_ptr, cu_ptr, pid_m, b, kh, sq_t, sq_h,
+                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    q0 = tl.load(cu_ptr + b)
+    nq = tl.load(cu_ptr + b + 1) - q0
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = (query t of this sequence, head g of the group)
+    mm = r < nq * GROUP
+    t = r // GROUP
+    h = kh * GROUP + (r % GROUP)
+    qrow = (q0 + t).to(tl.int64)
+    pos = tl.load(pos_ptr + qrow, mask=mm, other=-1)
+    rd = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + qrow[:, None] * sq_t + h[:, None] * sq_h + rd[None, :],
+                mask=mm[:, None] & (rd[None, :] < D), other=0.0)
+    return q, pos, mm, qrow, h, rd
+
+
+@triton.jit(do_not_specialize=["S"])
+def _attn_batched_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cu_ptr, o_ptr, S,
+                         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, scale,
+                         GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kh = tl.program_id(2)
+    q, pos, mm, qrow, h, rd = _batched_rows(q_ptr, pos_ptr, cu_ptr, pid_m, b, kh, sq_t, sq_h, GROUP, D, BLOCK_D,
+                                            BLOCK_M)
+    rdv = tl.arange(0, BLOCK_DV)
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, S)
+    kb = k_ptr + b.to(tl.int64) * sk_b + kh * sk_h
+    vb = v_ptr + b.to(tl.int64) * sv_b + kh * sv_h
+    L, ACC = _rows_chunked(q, kb, vb, pos, hi, S, sk_s, sv_s, scale, rd, rdv, D, DV, BLOCK_M, BLOCK_DV, BLOCK_N,
+                           KV_CHUNK)
+    out = _finish(L, ACC)
+    tl.store(o_ptr + qrow[:, None] * so_t + h[:, None] * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mm[:, None] & (rdv[None, :] < DV))
+
+
+@triton.jit(do_not_specialize=["S"])
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cu_ptr, wm_ptr, wl_ptr, wacc_ptr, S, NC,
+                       sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, scale,
+                       GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """Decode: one program per (chunk, sequence, KV head); rows = the group's heads of one query.
+    Writes the chunk's raw state (m, l, acc) for every valid row: ws[(q, h), chunk]."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    kh = tl.program_id(2)
+    q, pos, mm, qrow, h, rd = _batched_rows(q_ptr, pos_ptr, cu_ptr, 0, b, kh, sq_t, sq_h, GROUP, D, BLOCK_D,
+                                            BLOCK_M)
+    rdv = tl.arange(0, BLOCK_DV)
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, S)
+    lo = c * KV_CHUNK
+    if lo < hi:
+        kb = k_ptr + b.to(tl.int64) * sk_b + kh * sk_h
+        vb = v_ptr + b.to(tl.int64) * sv_b + kh * sv_h
+        m_c, l_c, acc_c = _chunk_state(q, kb, vb, pos, lo, tl.minimum(lo + KV_CHUNK, hi), S, sk_s, sv_s, scale,
+                                       rd, rdv, D, DV, BLOCK_M, BLOCK_DV, BLOCK_N)
+        row = qrow * (GROUP * tl.num_programs(2)) + h  # flat (query, head) index
+        tl.store(wm_ptr + row * NC + c, m_c, mask=mm)
+        tl.store(wl_ptr + row * NC + c, l_c, mask=mm)
+        tl.store(wacc_ptr + (row * NC + c)[:, None] * DV + rdv[None, :], acc_c, mask=mm[:, None] & (rdv[None, :] < DV))
+
+
+@triton.jit
+def _attn_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, pos_ptr, o_ptr, Hq, NC, so_t, so_h,
+                       DV: tl.constexpr, BLOCK_DV: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """out[(q, h)] = merge of its chunk states in chunk order (same operations as _rows_chunked)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // Hq
+    h = row % Hq
+    p = tl.load(pos_ptr + t)
+    nc = p // KV_CHUNK + 1
+    rdv = tl.arange(0, BLOCK_DV)
+    mv = rdv < DV
+    M = tl.full((1,), float("-inf"), tl.float32)
+    L = tl.zeros((1,), tl.float32)
+    ACC = tl.zeros((1, BLOCK_DV), tl.float32)
+    for c in range(0, nc):
+        m_c = tl.load(wm_ptr + row * NC + c + tl.zeros((1,), tl.int32))
+        l_c = tl.load(wl_ptr + row * NC + c + tl.zeros((1,), tl.int32))
+        acc_c = tl.load(wacc_ptr + (row * NC + c) * DV + rdv[None, :], mask=mv[None, :], other=0.0)
+        M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
+    out = _finish(L, ACC)
+    tl.store(o_ptr + t * so_t + h * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty), mask=mv[None, :])
+
+
+def attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      q_positions: torch.Tensor, scale: float, *, max_q_len: int,
+                      out_dtype: Optional[torch.dtype] = None, split_kv: Optional[bool] = None) -> torch.Tensor:
+    """Many sequences in one launch, for decode batches and (chunked) prefill.
+
+    ``q[Tq, Hq, D]`` packed: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (at most
+    ``max_q_len``, a host int); its keys/values are ``k_cache[b, :, Hkv, D]`` / ``v_cache[b, :, Hkv, Dv]``
+    (key j at position j; every slot up to the last tile read must be finite, e.g. a zero-initialised
+    cache). Query row t attends to keys ``0..q_positions[t]``. Returns ``[Tq, Hq, Dv]``.
+
+    Prefill: one program per (64-row tile of (query, head-in-group) pairs, sequence, KV head), the
+    KV tile read once for the whole GQA group. Decode (``max_q_len == 1``; ``split_kv`` default):
+    split-KV at the fixed 256-key chunk boundaries plus an ordered merge. Every row is bitwise what
+    :func:`attention` gives for that query alone (tested), whatever the batch, the other sequences,
+    the chunking, decode vs prefill, or ``split_kv``."""
+    Tq, Hq, D = q.shape
+    B, S, Hkv, Dk = k_cache.shape
+    Dv = v_cache.shape[-1]
+    if Dk != D or v_cache.shape[:3] != (B, S, Hkv) or Hq % Hkv:
+        raise ValueError("attention_batched: shape mismatch")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("attention_batched: last dims must be contiguous")
+    if cu_seqlens_q.numel() != B + 1:
+        raise ValueError("attention_batched: cu_seqlens_q must have B + 1 entries")
+    out = torch.empty(Tq, Hq, Dv, device=q.device, dtype=out_dtype or q.dtype)
+    if Tq == 0 or B == 0:
+        return out
+    G = Hq // Hkv
+    pos = q_positions.to(device=q.device, dtype=torch.int32).contiguous()
+    cu = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+    common = dict(GROUP=G, D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, num_warps=NUM_WARPS, num_stages=2, enable_fp_fusion=False)
+    split = (max_q_len == 1 and G <= BLOCK_M) if split_kv is None else bool(split_kv)
+    if split:
+        if max_q_len != 1 or G > BLOCK_M:
+            raise ValueError("attention_batched: split_kv needs one query per sequence and Hq/Hkv <= 64")
+        nc = triton.cdiv(S, KV_CHUNK)
+        wm = torch.empty(Tq * Hq, nc, device=q.device, dtype=torch.float32)
+        wl = torch.empty_like(wm)
+        wacc = torch.empty(Tq * Hq, nc, Dv, device=q.device, dtype=torch.float32)
+        _attn_split_kernel[(nc, B, Hkv)](
+            q, k_cache, v_cache, pos, cu, wm, wl, wacc, S, nc, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), float(scale), **common)
+        _attn_merge_kernel[(Tq * Hq,)](wm, wl, wacc, pos, out, Hq, nc, out.stride(0), out.stride(1), DV=Dv,
+                                       BLOCK_DV=triton.next_power_of_2(Dv), KV_CHUNK=KV_CHUNK, num_warps=1,
+                                       enable_fp_fusion=False)
+        return out
+    rows_max = int(max_q_len) * G
+    grid = (triton.cdiv(rows_max, BLOCK_M), B, Hkv)
+    _attn_batched_kernel[grid](
+        q, k_cache, v_cache, pos, cu, out, S, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), out.stride(0), out.stride(1), float(scale), **common)
     return out

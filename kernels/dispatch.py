@@ -1,0 +1,377 @@
+"""One entry point per op: the Triton kernel for CUDA tensors, the exact CPU reference otherwise.
+
+``kernels.linear``, ``kernels.rms_norm``, ... resolve to the functions here (kernels/__init__.py).
+Signatures are those of the reference ops. For tensors on the CPU (or any non-CUDA device), for
+inputs the Triton kernels do not take (float64, mixed operand dtypes), when Triton or CUDA is
+missing, or under ``RZ_KERNELS=reference`` / :func:`set_backend` ``("reference")``, the call goes to
+the reference op unchanged -- so CPU results are bit for bit what they always were.
+
+GPU numerics differ from the CPU reference (other reduction trees), but follow the same contract:
+batch invariant on their own. Both sides of a learner/engine pair on GPU must call these same
+functions. Differences to keep in mind on CUDA:
+
+* ``linear(..., k_segments=s)`` uses exactly ``s`` K segments on GPU too (never the (K, N)-dependent
+  default of ``kernels.triton.default_k_segments``): the segmentation must not depend on N, or a
+  column-parallel shard / a merged gate_up weight would change the bits.
+* MoE: ``moe_experts`` runs the grouped Triton kernels (gate/up one K segment, down
+  ``ROW_PARALLEL_K_SEGMENTS``): bitwise the per-expert ``expert_mlp`` of this module.
+* Gradients: every Triton forward is paired with the autograd of the plain-torch reference
+  (``_common.with_reference_grad``): correct to rounding, not invariant.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import attn as _attn
+from . import fp8 as _fp8
+from . import gemm as _gemm
+from . import logprobs as _lp
+from . import moe as _moe
+from . import norm as _norm
+from . import rope as _rope
+from . import router as _router
+from ._common import with_reference_grad
+from .gemm import ROW_PARALLEL_K_SEGMENTS
+
+__all__ = [
+    "set_backend", "backend", "use_triton",
+    "linear", "linear_partial", "rms_norm", "apply_rope", "attention", "causal_attention",
+    "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
+    "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "token_logprobs",
+    "quantize_act_groupwise", "fp8_gemm", "fp8_linear",
+]
+
+_BACKEND = os.environ.get("RZ_KERNELS", "auto")
+_TRITON_OK: Optional[bool] = None
+_GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def set_backend(name: str) -> None:
+    """``"auto"`` (Triton for CUDA tensors) or ``"reference"`` (the exact reference everywhere)."""
+    global _BACKEND
+    if name not in ("auto", "reference"):
+        raise ValueError("backend must be 'auto' or 'reference'")
+    _BACKEND = name
+
+
+def backend() -> str:
+    return _BACKEND
+
+
+def _triton_ok() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        from . import triton as _kt
+
+        _TRITON_OK = _kt.available()
+    return _TRITON_OK
+
+
+def use_triton(*tensors: Optional[torch.Tensor]) -> bool:
+    """True when the first tensor is on CUDA, the backend is auto and Triton is usable."""
+    if _BACKEND != "auto":
+        return False
+    t = next((t for t in tensors if t is not None), None)
+    return t is not None and t.is_cuda and _triton_ok()
+
+
+def _same_float(*ts: Optional[torch.Tensor]) -> bool:
+    ds = {t.dtype for t in ts if t is not None}
+    return len(ds) == 1 and next(iter(ds)) in _GPU_DTYPES
+
+
+# --------------------------------------------------------------------------------------- GEMM
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           out_dtype: Optional[torch.dtype] = None, k_segments: int = 1) -> torch.Tensor:
+    if not (use_triton(x) and _same_float(x, weight)):
+        return _gemm.linear(x, weight, bias, out_dtype=out_dtype, k_segments=k_segments)
+    from .triton.gemm import linear as tlinear
+
+    return tlinear(x, weight, bias, out_dtype=out_dtype, k_segments=int(k_segments))
+
+
+def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if not (use_triton(x) and _same_float(x, weight)):
+        return _gemm.linear_partial(x, weight)
+    from .triton.gemm import matmul
+
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    with torch.no_grad():
+        out = matmul(x2, weight.contiguous() if weight.stride(-1) != 1 else weight, out_dtype=torch.float32,
+                     k_segments=1)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def router_logits(hidden: torch.Tensor, gate_weight: torch.Tensor, *,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return linear(hidden, gate_weight, out_dtype=out_dtype)
+
+
+def lm_head_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return linear(hidden, lm_head_weight, out_dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------------ RMSNorm
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
+    if not (use_triton(x) and x.dtype in _GPU_DTYPES):
+        return _norm.rms_norm(x, weight, eps)
+    from .triton.rmsnorm import rms_norm as trms
+
+    return with_reference_grad(lambda x_, w_: trms(x_, w_, eps), lambda x_, w_: _norm.rms_norm(x_, w_, eps),
+                               x, weight)
+
+
+# --------------------------------------------------------------------------------------- RoPE
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox") -> torch.Tensor:
+    if not (use_triton(x) and x.dtype in _GPU_DTYPES and cos.is_cuda and sin.is_cuda):
+        return _rope.apply_rope(x, cos, sin, style)
+    from .triton.rope import apply_rope as trope
+
+    return with_reference_grad(lambda x_: trope(x_, cos, sin, style),
+                               lambda x_: _rope.apply_rope(x_, cos, sin, style), x)
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_positions: torch.Tensor,
+              scale: float, *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    if not (use_triton(q) and _same_float(q, k_cache, v_cache)):
+        return _attn.attention(q, k_cache, v_cache, q_positions, scale, out_dtype=out_dtype)
+    from .triton.attn import attention as tattn
+
+    _attn._check(q, k_cache, v_cache, q_positions)
+    odt = out_dtype or q.dtype
+    pos = q_positions.to(torch.long)
+
+    def fwd(q_, k_, v_):
+        c = lambda t: t if t.stride(-1) == 1 else t.contiguous()  # noqa: E731
+        return tattn(c(q_), c(k_), c(v_), pos, scale, out_dtype=odt)
+
+    return with_reference_grad(fwd, lambda q_, k_, v_: _attn._attention_ref(q_, k_, v_, pos, scale, odt),
+                               q, k_cache, v_cache)
+
+
+def _causal_ref(q, k, v, scale, odt):
+    B, S, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    mask = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
+    return torch.matmul(p, vf).transpose(1, 2).to(odt)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    if not (use_triton(q) and _same_float(q, k, v)):
+        return _attn.causal_attention(q, k, v, scale, out_dtype=out_dtype)
+    from .triton.attn import attention_batched
+
+    B, S, Hq, D = q.shape
+    odt = out_dtype or q.dtype
+    if B == 0 or S == 0:
+        return q.new_empty(B, S, Hq, v.shape[-1], dtype=odt)
+
+    def fwd(q_, k_, v_):
+        c = lambda t: t if t.stride(-1) == 1 else t.contiguous()  # noqa: E731
+        qq = c(q_).reshape(B * S, Hq, D)
+        cu = torch.arange(0, B * S + 1, S, device=q.device, dtype=torch.int32)
+        pos = torch.arange(S, device=q.device, dtype=torch.int32).repeat(B)
+        o = attention_batched(qq, c(k_), c(v_), cu, pos, scale, max_q_len=S, out_dtype=odt)
+        return o.reshape(B, S, Hq, v.shape[-1])
+
+    return with_reference_grad(fwd, lambda q_, k_, v_: _causal_ref(q_, k_, v_, scale, odt), q, k, v)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, scale: float, *,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    if not (use_triton(q) and _same_float(q, k, v)):
+        return _attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out_dtype=out_dtype)
+    cq = [int(c) for c in cu_seqlens_q]
+    ck = [int(c) for c in cu_seqlens_k]
+    outs = []
+    for b in range(len(cq) - 1):
+        nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if nq > nk:
+            raise ValueError(f"varlen_attention: sequence {b} has more queries ({nq}) than keys ({nk})")
+        pos = torch.arange(nk - nq, nk, device=q.device)
+        outs.append(attention(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], pos, scale,
+                              out_dtype=out_dtype))
+    if not outs:
+        return q.new_empty(0, q.shape[1], v.shape[-1], dtype=out_dtype or q.dtype)
+    return torch.cat(outs, dim=0)
+
+
+# ------------------------------------------------------------------------------------- router
+
+
+class _RouteWeights(torch.autograd.Function):
+    """Forward: the Triton weights; backward: autograd of the reference weight formula at the same ids."""
+
+    @staticmethod
+    def forward(ctx, logits, w_fwd, ids, score, norm, sf):  # type: ignore[override]
+        ctx.save_for_backward(logits, ids)
+        ctx.cfg = (score, norm, sf)
+        return w_fwd
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        logits, ids = ctx.saved_tensors
+        score, norm, sf = ctx.cfg
+        with torch.enable_grad():
+            x = logits.detach().float().requires_grad_(True)
+            s = _router._softmax(x) if score == "softmax" else _router._sigmoid(x)
+            w = s.gather(1, ids)
+            if norm:
+                d = w.sum(-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0)
+                w = w / d
+            w = w * sf
+            (gx,) = torch.autograd.grad(w, x, g)
+        return gx.to(logits.dtype), None, None, None, None, None
+
+
+def route(logits: torch.Tensor, top_k: int, *, score: str = "softmax", expert_bias: Optional[torch.Tensor] = None,
+          num_groups: int = 1, group_topk: Optional[int] = None, norm_topk_prob: bool = False,
+          scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(logits):
+        return _router.route(logits, top_k, score=score, expert_bias=expert_bias, num_groups=num_groups,
+                             group_topk=group_topk, norm_topk_prob=norm_topk_prob, scaling_factor=scaling_factor)
+    from .triton.router import route as troute
+
+    ids, w = troute(logits.detach(), top_k, score=score, expert_bias=expert_bias, num_groups=num_groups,
+                    group_topk=group_topk, norm_topk_prob=norm_topk_prob, scaling_factor=scaling_factor)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        w = _RouteWeights.apply(logits, w, ids, score, norm_topk_prob, float(scaling_factor))
+    return ids, w
+
+
+# ---------------------------------------------------------------------------------------- MoE
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not (use_triton(gate) and _same_float(gate, up)):
+        return _moe.swiglu(gate, up)
+    from .triton.moe import swiglu as tswiglu
+
+    return with_reference_grad(tswiglu, _moe.swiglu, gate, up)
+
+
+def expert_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    if not use_triton(x):
+        return _moe.expert_mlp(x, w_gate, w_up, w_down)
+    return linear(swiglu(linear(x, w_gate), linear(x, w_up)), w_down, k_segments=ROW_PARALLEL_K_SEGMENTS)
+
+
+def expert_mlp_merged(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    if not use_triton(x):
+        return _moe.expert_mlp_merged(x, w_gate_up, w_down)
+    gu = linear(x, w_gate_up)
+    i = w_gate_up.shape[0] // 2
+    return linear(swiglu(gu[..., :i], gu[..., i:]), w_down, k_segments=ROW_PARALLEL_K_SEGMENTS)
+
+
+def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                shared_out: Union[None, torch.Tensor, Sequence[torch.Tensor]] = None, *,
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    if not use_triton(expert_out):
+        return _moe.moe_combine(expert_out, topk_weights, shared_out, out_dtype=out_dtype)
+    from .triton.moe import moe_combine as tcombine
+
+    shared = [] if shared_out is None else ([shared_out] if isinstance(shared_out, torch.Tensor) else list(shared_out))
+
+    def fwd(y_, w_, *s_):
+        return tcombine(y_, w_, list(s_) if s_ else None, out_dtype=out_dtype)
+
+    def ref(y_, w_, *s_):
+        return _moe.moe_combine(y_, w_, list(s_) if s_ else None, out_dtype=out_dtype)
+
+    return with_reference_grad(fwd, ref, expert_out, topk_weights, *shared)
+
+
+def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: Optional[Sequence[Sequence[torch.Tensor]]] = None) -> torch.Tensor:
+    if not (use_triton(x) and _same_float(x, w_gate, w_up, w_down)):
+        return _moe.moe_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, shared)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, w_gate, w_up, w_down, topk_weights))
+    shared_out = [expert_mlp(x, *ws) for ws in shared] if shared else None
+    if needs_grad:  # differentiable composition of the same per-row chains (bitwise the grouped path)
+        T, H = x.shape
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        y = x.new_zeros(T * k, H)
+        for e in torch.unique(flat).tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            y = y.index_copy(0, sel, expert_mlp(x[sel // k], w_gate[e], w_up[e], w_down[e]))
+        return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
+    from .triton.moe import moe_experts as tmoe
+
+    return tmoe(x, w_gate, w_up, w_down, topk_ids, topk_weights, shared_out, k_segments_down=ROW_PARALLEL_K_SEGMENTS)
+
+
+# ------------------------------------------------------------------------------------ logprobs
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    if not (use_triton(logits) and logits.dtype in _GPU_DTYPES):
+        return _lp.logprobs_from_logits(logits, targets, temperature)
+    from .triton.logprobs import logprobs_from_logits as tlp
+
+    return with_reference_grad(lambda l_: tlp(l_, targets, temperature),
+                               lambda l_: _lp.logprobs_from_logits(l_, targets, temperature), logits)
+
+
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0, *, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    if not use_triton(hidden):
+        return _lp.token_logprobs(hidden, lm_head_weight, targets, temperature, logits_dtype=logits_dtype)
+    logits = lm_head_logits(hidden, lm_head_weight, out_dtype=logits_dtype)
+    return logprobs_from_logits(logits, targets, temperature)
+
+
+# ---------------------------------------------------------------------------------------- FP8
+
+
+def quantize_act_groupwise(x: torch.Tensor, group: int = _fp8.BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (use_triton(x) and x.dtype in _GPU_DTYPES and group == _fp8.BLOCK):
+        return _fp8.quantize_act_groupwise(x, group)
+    from .triton.fp8 import quantize_act_groupwise as tq
+
+    return tq(x, group)
+
+
+def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+             bias: Optional[torch.Tensor] = None, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    if not use_triton(xq):
+        return _fp8.fp8_gemm(xq, xs, wq, ws, bias, out_dtype=out_dtype)
+    from .triton.fp8 import fp8_gemm as tg
+
+    return tg(xq, xs, wq, ws, bias, out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    if not (use_triton(x) and x.dtype in _GPU_DTYPES):
+        return _fp8.fp8_linear(x, wq, ws, bias, out_dtype=out_dtype)
+    from .triton.fp8 import fp8_linear as tl8
+
+    return tl8(x, wq, ws, bias, out_dtype=out_dtype)

@@ -1,0 +1,122 @@
+"""GPU tests of blockwise FP8 (kernels/triton/fp8.py vs the exact reference kernels/fp8.py).
+
+    PYTHONPATH=. python -m pytest tests/gpu/test_triton_fp8.py -q
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def _gen(seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=_gen(seed)) * scale).to(dtype)
+
+
+def _f8():
+    return importlib.import_module("kernels.triton.fp8")
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("K", [7168, 2048, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_quant_bitwise_cpu(K, dtype):
+    """The GPU activation quantiser gives the CPU reference's bits (values and scales)."""
+    _need_cuda()
+    from kernels import fp8 as F8
+
+    x = _randn(257, K, seed=1, dtype=dtype, scale=3.0)
+    x[5] = 0  # all-zero row: eps-clamped scale, zero codes
+    x[7, :5] = 1e4  # saturating outliers
+    q, s = _f8().quantize_act_groupwise(x)
+    qc, sc = F8.quantize_act_groupwise(x.cpu())
+    assert torch.equal(s.cpu(), sc)
+    assert torch.equal(_bits(q).cpu(), _bits(qc))
+    for M in (1, 2, 100):
+        q1, s1 = _f8().quantize_act_groupwise(x[:M])
+        assert torch.equal(_bits(q1), _bits(q[:M])) and torch.equal(s1, s[:M])
+
+
+def test_weight_quant_same_bits_on_gpu():
+    _need_cuda()
+    from kernels import fp8 as F8
+
+    w = _randn(1000, 700, seed=2, scale=0.02)
+    wq, ws = F8.quantize_weight_blockwise(w)
+    wq_c, ws_c = F8.quantize_weight_blockwise(w.cpu())
+    assert ws.shape == (8, 6)
+    assert torch.equal(ws.cpu(), ws_c) and torch.equal(_bits(wq).cpu(), _bits(wq_c))
+
+
+@pytest.mark.parametrize("K,N", [(7168, 2048), (2048, 7168), (4096, 4096), (384, 200)])
+def test_fp8_gemm_invariance_and_accuracy(K, N):
+    _need_cuda()
+    from kernels import fp8 as F8
+
+    f8 = _f8()
+    w = _randn(N, K, seed=3, scale=K ** -0.5)
+    wq, ws = F8.quantize_weight_blockwise(w)
+    x = _randn(600, K, seed=4)
+    xq, xs = f8.quantize_act_groupwise(x)
+    full = f8.fp8_gemm(xq, xs, wq, ws)
+    alone = torch.cat([f8.fp8_gemm(xq[i:i + 1], xs[i:i + 1], wq, ws) for i in range(256)])
+    assert torch.equal(alone, full[:256])
+    for M in range(1, 257):
+        assert torch.equal(f8.fp8_gemm(xq[:M], xs[:M], wq, ws), alone[:M]), f"M={M}"
+    g = torch.Generator().manual_seed(5)
+    for _ in range(16):
+        idx = torch.randint(0, 600, (int(torch.randint(1, 600, (1,), generator=g)),), generator=g).cuda()
+        assert torch.equal(f8.fp8_gemm(xq[idx], xs[idx], wq, ws), full[idx])
+    # every config gives the same bits (fp32 out, so nothing is hidden by rounding)
+    for M in (1, 64, 200, 600):
+        outs = {n: f8.fp8_gemm(xq[:M], xs[:M], wq, ws, out_dtype=torch.float32, config=c)
+                for n, c in f8.FP8_CONFIGS.items()}
+        first = next(iter(outs.values()))
+        for n, o in outs.items():
+            assert torch.equal(o, first), f"config {n} differs at M={M}"
+    # accuracy: vs the CPU reference on the same quantised operands, and vs the dequantised product
+    n = 16
+    y32 = f8.fp8_gemm(xq[:n], xs[:n], wq, ws, out_dtype=torch.float32).cpu()
+    ref = F8.fp8_gemm(xq[:n].cpu(), xs[:n].cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32)
+    rel = ((y32 - ref).norm() / ref.norm()).item()
+    deq = F8.dequantize_act_groupwise(xq[:n].cpu(), xs[:n].cpu()).double() @ \
+        F8.dequantize_weight_blockwise(wq.cpu(), ws.cpu()).double().T
+    rel_d = ((y32.double() - deq).norm() / deq.norm()).item()
+    exact = x[:n].cpu().double() @ w.cpu().double().T
+    rel_q = ((y32.double() - exact).norm() / exact.norm()).item()
+    print(f"K={K} N={N}: rel err vs CPU reference {rel:.2e}, vs dequantised fp64 {rel_d:.2e}, "
+          f"vs unquantised bf16 product {rel_q:.2e} (quantisation error)")
+    assert rel < 2e-3 and rel_d < 2e-3 and rel_q < 0.1
+
+
+def test_fp8_linear_dispatch_and_grad():
+    _need_cuda()
+    import kernels
+
+    w = _randn(512, 1024, seed=6, scale=1 / 32)
+    wq, ws = kernels.quantize_weight_blockwise(w)
+    x = _randn(9, 1024, seed=7, dtype=torch.float32).requires_grad_()
+    y = kernels.fp8_linear(x, wq, ws)
+    assert y.is_cuda and y.dtype == torch.float32
+    y.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    yc = kernels.fp8_linear(x.detach().cpu(), wq.cpu(), ws.cpu())
+    assert ((y.detach().cpu() - yc).norm() / yc.norm()).item() < 2e-3
