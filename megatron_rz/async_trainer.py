@@ -466,7 +466,7 @@ def train_async(recipe: Recipe) -> dict:
     from megatron_rz.diagnostics import RunningRatio, mismatch_stats
     from megatron_rz.learner import Learner
     from megatron_rz.losses import make_loss_fn
-    from megatron_rz.metrics import MetricsLogger, plot_run
+    from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
     from megatron_rz.model import init_parallel
     from megatron_rz.trainer import _broadcast, _rank, build_batch, export_hf_checkpoint, prepare_base_model
 
@@ -598,7 +598,7 @@ def train_async(recipe: Recipe) -> dict:
         export_hf_checkpoint(final_weights, base, run_dir / "hf_final")
         eval_after = rollout.finish()
         logger.log(recipe.schedule.steps, {"eval_reward": eval_after})
-        summary = _summary(recipe, run_dir, start_step, eval_before, eval_after, times)
+        summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times)
         logger.close()
         logger = None
         if recipe.logging.plots:
@@ -612,33 +612,6 @@ def train_async(recipe: Recipe) -> dict:
                 logger.close()
         if rank0:
             shutil.rmtree(wdir, ignore_errors=True)
-
-
-def _summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eval_after, times: dict) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    tr = [r for r in rows if "max_abs_dlogp" in r]
-    n = max(1, len(tr))
-    total_time = sum(r["time_step"] for r in tr)
-    summary = {
-        "recipe": recipe.name,
-        "steps": recipe.schedule.steps - start_step,
-        "max_lag": recipe.schedule.max_lag,
-        "eval_reward_before": eval_before,
-        "eval_reward_after": eval_after,
-        "train_reward_first": tr[0]["reward_mean"] if tr else None,
-        "train_reward_last": tr[-1]["reward_mean"] if tr else None,
-        "mismatch_max_abs_dlogp": max((r["max_abs_dlogp"] for r in tr), default=None),
-        "mismatch_mean_abs_dlogp": sum(r["mean_abs_dlogp"] for r in tr) / n,
-        "mismatch_frac_bitwise": sum(r["frac_bitwise"] for r in tr) / n,
-        "d3_mean": sum(r["d3"] for r in tr) / n,
-        "lag_mean": sum(r["lag_mean"] for r in tr) / n,
-        "lag_max": max((r["lag_max"] for r in tr), default=0),
-        "updates_per_s": len(tr) / total_time if total_time > 0 else None,
-        "time_per_step": {k: v / n for k, v in times.items()},
-        "run_dir": str(run_dir),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 # ============================================================================ benchmark

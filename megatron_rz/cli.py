@@ -43,6 +43,12 @@ def _print_summary(summary: dict) -> None:
     t.add_row("mean |dlogp|", fmt(summary["mismatch_mean_abs_dlogp"]))
     t.add_row("tokens bitwise equal", f"{100 * summary['mismatch_frac_bitwise']:.1f}%")
     t.add_row("D3 (mean over updates)", fmt(summary["d3_mean"]))
+    t.add_row("D3 peak / median", fmt(summary.get("d3_peak_over_median")))
+    t.add_row("KL k1 first / last 10% of updates",
+              f"{fmt(summary.get('kl_k1_first_10pct'))} / {fmt(summary.get('kl_k1_last_10pct'))}")
+    t.add_row("max grad norm (before clipping)", fmt(summary.get("grad_norm_max")))
+    if summary.get("max_lag"):
+        t.add_row("policy lag mean / max", f"{fmt(summary.get('lag_mean'))} / {fmt(summary.get('lag_max'))}")
     for k, v in summary["time_per_step"].items():
         t.add_row(f"time/step {k} (s)", f"{v:.3f}")
     t.add_row("run dir", summary["run_dir"])

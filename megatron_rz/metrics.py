@@ -144,3 +144,51 @@ def plot_compare(run_dirs: list[Path], out_dir: Path, labels: list[str] | None =
         plt.close(fig)
         written.append(out_dir / fname)
     return written
+
+
+def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eval_after, times: dict) -> dict:
+    """The end-of-run summary (both trainers) from the run's metrics.jsonl, written to summary.json.
+
+    Stability figures of the paper: D3's running peak/median, KL (k1 and k3 = D3) averaged over the
+    first and the last 10% of updates (growth = last / first), the largest gradient norm."""
+    run_dir = Path(run_dir)
+    tr = [r for r in read_metrics(run_dir / "metrics.jsonl") if "max_abs_dlogp" in r]
+    n = max(1, len(tr))
+    tenth = max(1, len(tr) // 10)
+
+    def mean(key, rows):
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    total_time = sum(r.get("time_step", 0.0) for r in tr)
+    summary = {
+        "recipe": recipe.name,
+        "mode": recipe.mode,
+        "steps": recipe.schedule.steps - start_step,
+        "max_lag": recipe.schedule.max_lag,
+        "eval_reward_before": eval_before,
+        "eval_reward_after": eval_after,
+        "train_reward_first": tr[0]["reward_mean"] if tr else None,
+        "train_reward_last": tr[-1]["reward_mean"] if tr else None,
+        "train_reward_first_10pct": mean("reward_mean", tr[:tenth]),
+        "train_reward_last_10pct": mean("reward_mean", tr[-tenth:]),
+        "mismatch_max_abs_dlogp": max((r["max_abs_dlogp"] for r in tr), default=None),
+        "mismatch_mean_abs_dlogp": sum(r["mean_abs_dlogp"] for r in tr) / n,
+        "mismatch_frac_bitwise": sum(r["frac_bitwise"] for r in tr) / n,
+        "d3_mean": sum(r["d3"] for r in tr) / n,
+        "d3_peak_over_median": tr[-1].get("d3_peak_over_median") if tr else None,
+        "kl_k1_first_10pct": mean("kl_k1", tr[:tenth]),
+        "kl_k1_last_10pct": mean("kl_k1", tr[-tenth:]),
+        "kl_k3_first_10pct": mean("d3", tr[:tenth]),
+        "kl_k3_last_10pct": mean("d3", tr[-tenth:]),
+        "grad_norm_max": max((r["grad_norm"] for r in tr if isinstance(r.get("grad_norm"), (int, float))), default=None),
+        "updates_per_s": len(tr) / total_time if total_time > 0 else None,
+        # `times` covers this process only (a resumed run: the updates since the resume)
+        "time_per_step": {k: v / max(1, recipe.schedule.steps - start_step) for k, v in times.items()},
+        "run_dir": str(run_dir),
+    }
+    if recipe.schedule.max_lag:
+        summary["lag_mean"] = mean("lag_mean", tr)
+        summary["lag_max"] = max((r.get("lag_max", 0) for r in tr), default=0)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

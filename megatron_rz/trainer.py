@@ -22,7 +22,7 @@ from megatron_rz.batch_filters import flatten_groups, overlong_shaping, refill_g
 from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz import preemption  # SLURM warning signal -> checkpoint and exit (rz submit)
-from megatron_rz.metrics import MetricsLogger, plot_run
+from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
 from megatron_rz.recipe import Recipe, dump_recipe
 from megatron_rz.resume import checkpoint_dir, eval_before as logged_eval_before, resolve_load, step_rng, truncate_metrics
 from megatron_rz.tasks import Problem, make_task
@@ -284,24 +284,7 @@ def train(recipe: Recipe) -> dict:
     export_hf_checkpoint(final_weights.items(), base, run_dir / "hf_final")
     eval_after = side.evaluate()
     logger.log(recipe.schedule.steps, {"eval_reward": eval_after})
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if "max_abs_dlogp" in r]
-    n = max(1, len(train_rows))
-    summary = {
-        "recipe": recipe.name,
-        "steps": recipe.schedule.steps - start_step,
-        "eval_reward_before": eval_before,
-        "eval_reward_after": eval_after,
-        "train_reward_first": train_rows[0]["reward_mean"] if train_rows else None,
-        "train_reward_last": train_rows[-1]["reward_mean"] if train_rows else None,
-        "mismatch_max_abs_dlogp": max((r["max_abs_dlogp"] for r in train_rows), default=None),
-        "mismatch_mean_abs_dlogp": sum(r["mean_abs_dlogp"] for r in train_rows) / n,
-        "mismatch_frac_bitwise": sum(r["frac_bitwise"] for r in train_rows) / n,
-        "d3_mean": sum(r["d3"] for r in train_rows) / n,
-        "time_per_step": {k: v / n for k, v in times.items()},
-        "run_dir": str(run_dir),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times)
     logger.close()
     if recipe.logging.plots:
         plot_run(run_dir)
