@@ -151,6 +151,9 @@ class RolloutConfig(_Strict):
     top_p: float = 1.0
     max_num_seqs: int = 256
     kv_cache_gb: float = 1.0
+    # The engine's dtype; None = model.dtype. mode=fast only: e.g. bf16 rollouts beside an fp32
+    # learner, the common deployment whose mismatch aligned mode exists to remove.
+    dtype: Literal["float32", "bfloat16"] | None = None
     verify_sync: bool = True  # after each sync, check vLLM's logprobs now follow the new weights
     verify_every: int = 10
 
@@ -283,6 +286,11 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _cross(self) -> Recipe:
         m, p = self.model, self.parallel
+        if self.mode == "aligned" and self.rollout.dtype not in (None, m.dtype):
+            raise ValueError(
+                f"rollout.dtype={self.rollout.dtype} differs from model.dtype={m.dtype}: aligned mode computes "
+                "the same numbers on both sides, so it needs one dtype; drop rollout.dtype or use mode=fast"
+            )
         if m.num_experts % p.ep:
             raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
         if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:

@@ -88,7 +88,7 @@ class RolloutSide:
         r = recipe.rollout
         self.engine = RolloutEngine(
             str(model_dir),
-            dtype=recipe.model.dtype,
+            dtype=recipe.rollout.dtype or recipe.model.dtype,
             seed=recipe.schedule.seed,
             max_num_seqs=r.max_num_seqs,
             kv_cache_gb=r.kv_cache_gb,

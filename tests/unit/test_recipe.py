@@ -76,3 +76,10 @@ def test_cli_reports_recipe_errors_without_traceback(capsys):
     assert main(["validate", str(ROOT / "recipes" / "tiny_moe.yaml"), "algo.lrr=1"]) == 2
     err = capsys.readouterr().err
     assert "unknown key 'algo.lrr'" in err and "Traceback" not in err
+
+
+def test_rollout_dtype_differing_from_model_needs_fast_mode():
+    with pytest.raises(RecipeError, match="rollout.dtype=bfloat16 differs from model.dtype=float32"):
+        load_recipe(ROOT / "recipes" / "tiny_moe.yaml", ["rollout.dtype=bfloat16"])
+    r = load_recipe(ROOT / "recipes" / "tiny_moe.yaml", ["rollout.dtype=bfloat16", "mode=fast"])
+    assert r.rollout.dtype == "bfloat16" and r.model.dtype == "float32"
