@@ -274,6 +274,14 @@ def bench_decode(args):
             lp_a = aligned_decode(c, W, ca, tables, tok, L, tgt)
             lp_f = fast_decode(c, W, cf, tables, tok, L, tgt)
             diff = (lp_a - lp_f).abs().max().item()
+            import kernels.triton.gemm as _kg
+
+            _kg.SMALL_TILES = False  # the GEMM tile choice before the small-tile rule (same bits)
+            t_a_big = statistics.median([bench_graph(lambda i: (lambda: aligned_decode(c, W, ca, tables, tok, L, tgt)),
+                                                     1, iters=4, reps=10) for _ in range(2)])
+            _kg.SMALL_TILES = True
+            lp_a2 = aligned_decode(c, W, ca, tables, tok, L, tgt)
+            assert torch.equal(lp_a2, lp_a), "tile choice changed the bits"
             times_a, times_f, times_ff = [], [], []
             for _ in range(3):  # alternate: aligned, fast, fast+fused misc, aligned, ...
                 times_a.append(bench_graph(lambda i: (lambda: aligned_decode(c, W, ca, tables, tok, L, tgt)), 1,
@@ -285,18 +293,52 @@ def bench_decode(args):
         ta, tf, tff = statistics.median(times_a), statistics.median(times_f), statistics.median(times_ff)
         r = dict(B=B, context=L, aligned_ms=ta, fast_ms=tf, aligned_over_fast=ta / tf,
                  fast_fused_misc_ms=tff, aligned_over_fast_fused_misc=ta / tff,
+                 aligned_without_small_tile_rule_ms=t_a_big,
                  max_abs_logprob_diff_aligned_vs_fast=diff, tokens_per_s_aligned=B / ta * 1e3,
                  tokens_per_s_fast=B / tf * 1e3)
         res["rows"].append(r)
         print(f"decode B={B:4d} ctx={L}: aligned {ta * 1e3:8.1f} us  fast {tf * 1e3:8.1f} us  aligned/fast "
               f"{ta / tf:5.3f}  fast+fused rope/router {tff * 1e3:8.1f} us  aligned/that {ta / tff:5.3f}  "
-              f"max|dlogp| aligned vs fast {diff:.3f}", flush=True)
+              f"max|dlogp| aligned vs fast {diff:.3f}  (aligned w/o small-tile rule {t_a_big * 1e3:.1f} us)", flush=True)
         del ca, cf
         torch.cuda.empty_cache()
     return res
 
 
+def bench_gemm1b(args):
+    """The ~1B decode model's projections at decode/mid M: cuBLAS, the dispatcher's pick, every config."""
+    from kernels.triton.gemm import CONFIGS, matmul, pick_config
+
+    bench_graph, copies = _bg()
+    rows = []
+    for name, K, N, seg in (("qkv", 1024, 3072, 1), ("o_proj", 2048, 1024, 2), ("shared_gate_up", 1024, 2048, 1),
+                            ("shared_down", 1024, 1024, 2), ("router", 1024, 32, 1), ("lm_head", 1024, 32768, 1)):
+        for M in (8, 32, 64, 128, 256, 512):
+            n = copies(N * K * 2 + M * K * 2)
+            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(n)]
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            tb = bench_graph(lambda i: (lambda: xs[i] @ ws[i].T), n)
+            pick = pick_config(M, K, N, seg)
+            ta = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], k_segments=seg)), n)
+            sweep = {}
+            for cn, cfg in CONFIGS.items():
+                if cfg.split and seg == 1 or cfg.block_m >= 128 and M <= 32:
+                    continue
+                try:
+                    sweep[cn] = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], k_segments=seg, config=cfg)), n) * 1e3
+                except Exception:  # noqa: BLE001
+                    sweep[cn] = None
+            ok = {k_: v_ for k_, v_ in sweep.items() if v_}
+            best = min(ok, key=ok.get)
+            _row(rows, f"gemm1b {name} K={K} N={N} seg={seg} M={M} pick={pick.name} best={best} {ok[best]:.1f}us", tb,
+                 ta, name=name, K=K, N=N, k_segments=seg, M=M, config=pick.name, best=best, sweep_us=sweep,
+                 baseline="cuBLAS x @ W.T")
+            del ws, xs
+    return rows
+
+
 NEW_GROUPS = {
+    "gemm1b": bench_gemm1b,
     "rope": bench_rope,
     "router": bench_router,
     "attention": bench_attention,

@@ -22,6 +22,7 @@ No atomics, no cuBLAS, no split-K chosen by M.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -92,15 +93,54 @@ CONFIGS = {
     # segmented shapes, small M: one program per (tile, segment), ordered reduce kernel
     "d16_n64_split": _c(16, 64, 256, 4, 4, split=True),
     "m64_n128_split": _c(64, 128, 64, 4, 4, split=True),
+    "d64_n64_split": _c(64, 64, 128, 4, 4, split=True),
 }
 
 
+# Short-K layers (K <= 2048 with N <= 4096, or K <= 1024: e.g. a ~1B model's projections) have their own table, from the H200
+# sweep of those shapes (benchmarks/gpu_kernels.py --groups gemm1b): the prefill tiles of the
+# large-K table leave most SMs idle there. Same bits either way. RZ_GEMM_SMALL_TILES=0 turns it off.
+SMALL_TILES = os.environ.get("RZ_GEMM_SMALL_TILES", "1") != "0"
+
+
+def _pick_short_k(M: int, N: int, k_segments: int) -> Optional[GemmConfig]:
+    if M > 512:
+        return None
+    if k_segments > 1:
+        if M <= 64:
+            return CONFIGS["d16_n64_split"]
+        return CONFIGS["d64_n64_split" if M <= 256 else "d64_n64"]
+    if M <= 16:
+        return None
+    if N <= 64:
+        return CONFIGS["d16_n32"]
+    if N > 4096:
+        if M <= 64:
+            return CONFIGS["m64_n128_tma"]
+        return CONFIGS["p128_n128_tma_s5" if M <= 128 else "p256_n128_tma_s4"]
+    if M <= 32:
+        return CONFIGS["d16_n32" if N <= 2048 else "d16_n64"]
+    if M <= 64:
+        return CONFIGS["d16_n64" if N <= 2048 else "d64_n64"]
+    if M <= 128 or (M <= 256 and N <= 2048):
+        return CONFIGS["d64_n64"]
+    return CONFIGS["m64_n128_tma"]
+
+
 def pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:
-    """Fastest measured config for this M (H200 sweep, benchmarks/gpu_kernels.py --sweep).
+    """Fastest measured config for this M (H200 sweeps, benchmarks/gpu_kernels.py --sweep / gemm1b).
 
     The choice may depend on M freely: every config gives the same bits for a given (K, N,
     k_segments). Only the segmentation (an argument here) is fixed per layer.
     """
+    if SMALL_TILES and K <= 2048 and (N <= 4096 or K <= 1024):
+        cfg = _pick_short_k(M, N, k_segments)
+        if cfg is not None:
+            return cfg
+    return _pick_config(M, K, N, k_segments)
+
+
+def _pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:
     if k_segments > 1:
         if M <= 256:
             return CONFIGS["m64_n128_split"]
