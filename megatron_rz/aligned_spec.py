@@ -183,10 +183,12 @@ class AlignedRMSNorm(torch.nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(seq_len: int, rotary_dim: int, base: float):
+def rope_tables(seq_len: int, rotary_dim: int, base: float, device=None):
     """float64 tables rounded once (kernels.rope_cos_sin) for positions 0..seq_len-1, shaped
-    [s, 1, r/2] to broadcast over Megatron's [s, b, heads, dim] layout."""
-    cos, sin = kernels.rope_cos_sin(torch.arange(seq_len), rotary_dim, float(base))
+    [s, 1, r/2] to broadcast over Megatron's [s, b, heads, dim] layout. Computed on `device` (the
+    activations' device): the aligned vLLM model computes its tables on its positions' device, so
+    on a GPU both sides use the GPU's float64 cos/sin (on the CPU: unchanged)."""
+    cos, sin = kernels.rope_cos_sin(torch.arange(seq_len, device=device), rotary_dim, float(base))
     return cos[:, None, :], sin[:, None, :]
 
 
@@ -210,7 +212,7 @@ class AlignedCoreAttention(torch.nn.Module):
         sq, b, nh, d = query.shape
         assert key.shape[0] == sq, "aligned attention expects full sequences (no KV cache)"
         if self.rope_dim:
-            cos, sin = rope_tables(sq, self.rope_dim, self.rope_base)
+            cos, sin = rope_tables(sq, self.rope_dim, self.rope_base, device=query.device)
             query = kernels.apply_rope(query, cos, sin, "neox")
             key = kernels.apply_rope(key, cos, sin, "neox")
         scale = float(d ** (-0.5))
@@ -275,7 +277,7 @@ def _make_mla():
             kv = kv.view(s, b, n, cfg.qk_head_dim + cfg.v_head_dim)
             q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
             k_nope, value = torch.split(kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
-            cos, sin = rope_tables(s, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+            cos, sin = rope_tables(s, cfg.qk_pos_emb_head_dim, cfg.rotary_base, device=q.device)
             q_pe = kernels.apply_rope(_deinterleave(q_pe), cos, sin, "neox")
             k_pe = kernels.apply_rope(_deinterleave(k_pos_emb.unsqueeze(-2)), cos, sin, "neox")
             query = torch.cat([q_nope, q_pe], dim=-1)

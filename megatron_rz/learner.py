@@ -26,6 +26,11 @@ the same layout (checked on load). A different layout can restart from exported 
 
 Parameters must be float32 on CPU: Megatron's bf16 optimizer only accepts CUDA tensors.
 
+Devices: on a CPU host everything runs on the CPU over gloo. When CUDA is available the model lives
+on GPU LOCAL_RANK and the collectives run over NCCL (model.init_parallel / build_gpt_model); inputs
+and per-row tensors may be passed on the CPU (they are moved per micro batch), and `logprobs` /
+`train_step(...)["logprobs"]` are returned on the CPU either way (what the trainers expect).
+
 `mode="aligned"` (recipe field `mode`) builds the model from megatron_rz.aligned_spec: every forward
 op goes through `kernels`, the vocab-parallel logits are gathered to the full vocabulary and
 `kernels.logprobs_from_logits` (log_softmax(logits / T) in fp32) is applied, so `logprobs` is
@@ -84,6 +89,7 @@ class Learner:
         model = build_gpt_model(model_cfg, parallel, mode=mode)
         hf_convert.load_hf_into_megatron(model, hf_dir, model_cfg)
         self.model = model
+        self.device = next(model.parameters()).device  # cuda:LOCAL_RANK on a GPU, else cpu
         bf16 = model_cfg.dtype == "bfloat16"
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
@@ -118,11 +124,12 @@ class Learner:
         """[b, S] token log-probs (with grad if enabled) for a micro batch every rank runs."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        ids = ids.to(self.device)  # rows are picked / padded on the CPU; the forward runs on the model's device
         b, s = ids.shape
         s_pad = math.ceil(s / self.tp) * self.tp
         if s_pad != s:
             ids = torch.cat([ids, ids.new_zeros(b, s_pad - s)], dim=1)
-        pos = torch.arange(s_pad).unsqueeze(0).expand(b, s_pad)
+        pos = torch.arange(s_pad, device=ids.device).unsqueeze(0).expand(b, s_pad)
         target = ids[:, 1:s]
         if self.mode == "aligned":
             return self._aligned_logp(self.ddp(ids, pos, None)[:, : s - 1], target, temperature)
@@ -170,7 +177,7 @@ class Learner:
             parts = [torch.empty_like(out) for _ in range(self.dp)]
             dist.all_gather(parts, out.contiguous(), group=self.dp_group)
             out = torch.cat(parts, dim=0)
-        return out[:batch]
+        return out[:batch].cpu()  # no-op on a CPU host
 
     def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, temperature: float = 1.0,
                    micro_batch_size: int = 64, **per_row_tensors) -> dict:
@@ -197,7 +204,7 @@ class Learner:
             n = real.numel()
             loss = logp.sum() * 0.0  # keeps every rank's backward (collectives) in step
             if n:
-                sel = {k: v[real] for k, v in per_row_tensors.items()}
+                sel = {k: v[real].to(logp.device) for k, v in per_row_tensors.items()}
                 loss_sum, metrics = loss_fn(logp[:n], sel)
                 loss = loss + loss_sum / batch
                 loss_total += float(loss_sum.detach())
@@ -212,7 +219,9 @@ class Learner:
         keys = sorted(sums)
         vec = torch.stack([loss_total] + [sums[k] for k in keys])
         if self.dp > 1:  # every dp rank reaches here with the same metric keys (same loss_fn)
+            vec = vec.to(self.device)  # NCCL reduces device tensors only (a no-op on the CPU)
             dist.all_reduce(vec, group=self.dp_group)
+            vec = vec.cpu()
         out = {"loss": float(vec[0]) / batch}
         out.update({k: float(v) / batch for k, v in zip(keys, vec[1:])})
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
@@ -225,7 +234,7 @@ class Learner:
             dist.all_gather(parts, logp_all.contiguous(), group=self.dp_group)
             logp_all = torch.cat(parts, dim=0)
         # [B, S] logprobs under the pre-update weights, exactly those the loss saw (not a metric).
-        out["logprobs"] = logp_all[:batch]
+        out["logprobs"] = logp_all[:batch].cpu()
         return out
 
     def _zero_pad_row_grad(self) -> None:

@@ -44,11 +44,13 @@ def _free_port() -> int:
 
 
 def init_parallel(parallel: ParallelConfig, seed: int = 0) -> None:
-    """Start torch.distributed (gloo) and Megatron's parallel state for `parallel`.
+    """Start torch.distributed and Megatron's parallel state for `parallel`.
 
-    Works under torchrun (RANK/WORLD_SIZE/MASTER_* from the environment) and as a plain single
-    process (world size 1 on a free loopback port). Calling it again with the same layout only
-    re-seeds; a different layout tears Megatron's groups down and builds them again.
+    Backend: gloo on a CPU host; NCCL when CUDA is available, each process on GPU LOCAL_RANK
+    (torch.cuda.set_device before the process group starts). Works under torchrun
+    (RANK/WORLD_SIZE/MASTER_* from the environment) and as a plain single process (world size 1 on
+    a free loopback port). Calling it again with the same layout only re-seeds; a different layout
+    tears Megatron's groups down and builds them again.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -56,12 +58,16 @@ def init_parallel(parallel: ParallelConfig, seed: int = 0) -> None:
 
     megatron_patches.apply()
     if not dist.is_initialized():
+        # GPU: NCCL, one GPU per process (LOCAL_RANK). CPU: gloo (unchanged).
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # under torchrun
-            dist.init_process_group("gloo", init_method="env://")
+            dist.init_process_group(backend, init_method="env://")
         else:
             # A lone process: its own loopback port, passed explicitly. Nothing goes into
             # os.environ, so child processes (tests, rz subcommands) never inherit a bound port.
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world != parallel.world_size:
         raise ValueError(
@@ -85,8 +91,8 @@ def init_parallel(parallel: ParallelConfig, seed: int = 0) -> None:
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.etp,
         )
-    # Same per-region seeding as on GPU (model-parallel, expert-parallel and data-parallel RNG
-    # states), on the CPU generator through megatron_patches.
+    # Per-region seeding (model-parallel, expert-parallel and data-parallel RNG states): CUDA
+    # generators on a GPU, the CPU generator through megatron_patches on a CPU host.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -324,6 +330,10 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
         if ".experts.local_experts." in name:
             setattr(param, "allreduce", False)
     model = model.to(getattr(torch, m.dtype))
+    if torch.cuda.is_available():
+        # Built on the CPU (use_cpu_initialization), then moved to this rank's GPU before Megatron's
+        # DDP allocates its grad buffers there (torch.cuda.current_device(), set by init_parallel).
+        model = model.cuda(torch.cuda.current_device())
     if mode == "aligned":
         from megatron_rz import aligned_spec
 
