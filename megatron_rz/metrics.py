@@ -21,7 +21,9 @@ PLOTS = {
     "entropy.png": [("entropy_est", "entropy (MC estimate, nats/token)"), ("response_len", "response length")],
 }
 
-LOG_SCALE = {"kl.png", "mismatch.png"}
+# symlog linear range per plot: |dlogp| of stock fp32 kernels reaches 1e-13, so the mismatch plot
+# resolves that far; KL k1 is a noisy estimator that goes negative, drawn linear below 1e-6.
+LOG_SCALE = {"kl.png": 1e-6, "mismatch.png": 1e-16}
 
 # Overlays for comparing runs (`rz plot RUN_A RUN_B ... --out DIR`): one line per run.
 COMPARE = {
@@ -93,14 +95,17 @@ def plot_run(run_dir: Path) -> list[Path]:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, ms=3, label=label)
+                if key == "eval_reward":  # evaluated at a few steps only: points, not a line between them
+                    ax.plot(xs, ys, linestyle="none", marker="o", ms=6, label=label)
+                else:
+                    ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, ms=3, label=label)
                 drew = True
         if not drew:
             plt.close(fig)
             continue
         if fname in LOG_SCALE:
             # Mismatch spans orders of magnitude and is exactly 0 when aligned: symlog shows both.
-            ax.set_yscale("symlog", linthresh=1e-16)
+            ax.set_yscale("symlog", linthresh=LOG_SCALE[fname])
         ax.set_xlabel("update")
         ax.set_title(fname.removesuffix(".png").replace("_", " "))
         ax.grid(alpha=0.3)
