@@ -113,6 +113,10 @@ SwitchType=switch/none
 ReturnToService=2
 JobRequeue=1
 KillWait=10
+# A requeued job may start again only after its killed instance's credential expires (slurmd refuses
+# the same job id until then: "Job credential revoked"). The default 120 s makes the preemption
+# test slow; 10 s is plenty on one host.
+AuthInfo=cred_expire=10
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
