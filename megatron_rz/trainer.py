@@ -268,7 +268,9 @@ def train(recipe: Recipe) -> dict:
                 "time_sync": t3 - t2,
                 "time_step": t3 - t0,
             }
-            if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0:
+            # (the last step's evaluation is the final one, after the loop)
+            if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 \
+                    and step + 1 < recipe.schedule.steps:
                 row["eval_reward"] = side.evaluate()
             logger.log(step + 1, row)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
