@@ -57,9 +57,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_rz import preemption
 from megatron_rz.recipe import Recipe, dump_recipe
-from megatron_rz.resume import checkpoint_dir, resolve_load, step_rng, truncate_metrics
+from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, resolve_load, step_rng, truncate_metrics
 from megatron_rz.resume import eval_before as logged_eval_before
 
 WEIGHTS_DIR = "async_weights"
@@ -585,11 +584,7 @@ def train_async(recipe: Recipe) -> dict:
                 logger.log(step + 1, row)
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
                                 wait=f"{t1 - t0:.2f}s")
-            every = recipe.checkpoint.every
-            if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
-                learner.save_checkpoint(checkpoint_dir(run_dir, step + 1), step=step + 1)
-            # SLURM's warning signal: checkpoint this step and exit for requeue (rz submit)
-            preemption.checkpoint_and_exit_if_requested(learner, run_dir, step + 1, recipe.schedule.steps)
+            checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
 
         learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
         final_weights = list(learner.export_hf_weights())

@@ -16,6 +16,10 @@ import json
 import random
 from pathlib import Path
 
+# Imported for its side effect too: it catches SLURM's SIGUSR1 from the moment a trainer loads
+# this module (the signal's default action would kill the process before the first update).
+from megatron_rz import preemption
+
 COMPLETE = "COMPLETE"
 
 
@@ -75,3 +79,13 @@ def truncate_metrics(path: Path, start_step: int) -> list[dict]:
 def eval_before(rows: list[dict]) -> float | None:
     """The run's evaluation before its first update (the step-0 eval row), if logged."""
     return next((r["eval_reward"] for r in rows if r["step"] == 0 and "eval_reward" in r), None)
+
+
+def checkpoint_after_step(learner, recipe, run_dir: Path, step: int) -> None:
+    """Collective, after update `step` (1-based) in both trainers: the periodic checkpoint
+    (checkpoint.every; the final one is saved after the loop), then SLURM's preemption request
+    (checkpoint this step and exit for requeue, megatron_rz.preemption)."""
+    every, total = recipe.checkpoint.every, recipe.schedule.steps
+    if every and step % every == 0 and step < total:
+        learner.save_checkpoint(checkpoint_dir(run_dir, step), step=step)
+    preemption.checkpoint_and_exit_if_requested(learner, run_dir, step, total)

@@ -21,10 +21,9 @@ import torch.distributed as dist
 from megatron_rz.batch_filters import flatten_groups, overlong_shaping, refill_groups, token_weights_for_token_mean
 from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.losses import group_advantages, make_loss_fn
-from megatron_rz import preemption  # SLURM warning signal -> checkpoint and exit (rz submit)
 from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
 from megatron_rz.recipe import Recipe, dump_recipe
-from megatron_rz.resume import checkpoint_dir, eval_before as logged_eval_before, resolve_load, step_rng, truncate_metrics
+from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, step_rng, truncate_metrics
 from megatron_rz.tasks import Problem, make_task
 
 
@@ -274,10 +273,7 @@ def train(recipe: Recipe) -> dict:
                 row["eval_reward"] = side.evaluate()
             logger.log(step + 1, row)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
-        every = recipe.checkpoint.every
-        if every and (step + 1) % every == 0 and step + 1 < recipe.schedule.steps:
-            learner.save_checkpoint(checkpoint_dir(run_dir, step + 1), step=step + 1)
-        preemption.checkpoint_and_exit_if_requested(learner, run_dir, step + 1, recipe.schedule.steps)
+        checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
 
     learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
     final_weights = dict(learner.export_hf_weights())
