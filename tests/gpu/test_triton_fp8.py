@@ -13,19 +13,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-
-
-def _gen(seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    return g
-
-
-def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
-    return (torch.randn(*shape, device="cuda", generator=_gen(seed)) * scale).to(dtype)
+from gpu_util import gen as _gen, need_cuda as _need_cuda, randn as _randn  # noqa: E402,F401
 
 
 def _f8():
