@@ -73,6 +73,10 @@ def route(
         scores = _softmax(x)
     elif score == "sigmoid":
         scores = _sigmoid(x)
+    elif score == "sqrtsoftplus":  # DeepSeek-V4
+        from .dsv4 import sqrtsoftplus
+
+        scores = sqrtsoftplus(x)
     else:
         raise ValueError(f"route: unknown score {score!r}")
     choice = scores.detach()
@@ -94,7 +98,7 @@ def route(
     w = scores.gather(1, ids)
     if norm_topk_prob:
         denom = fold_sum([w[:, j : j + 1] for j in range(top_k)])
-        if score == "sigmoid":
+        if score != "softmax":
             denom = denom + 1e-20
         w = w / denom
     if scaling_factor != 1.0:

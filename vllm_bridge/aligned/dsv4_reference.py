@@ -1,0 +1,467 @@
+"""DeepSeek-V4: the aligned per-layer functions both engines run, and a full-sequence reference.
+
+The semantics are those of Hugging Face transformers 5.19's ``DeepseekV4ForCausalLM`` (itself a port
+of DeepSeek's release): hyper-connection streams around every block, shared-KV multi-query attention
+with a per-head sink over a sliding window plus compressed KV entries (heavily compressed layers:
+every entry; compressed sparse layers: the lightning indexer's top-k), grouped low-rank output
+projection, hash-routed MoE in the first layers and sqrt-softplus scored top-k MoE after. Every op is
+a ``kernels`` op, so a token's bits do not depend on batching or on prefill vs decode.
+
+Weights are addressed by the ORIGINAL DeepSeek checkpoint names (``embed.weight``,
+``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{e}.w1.weight`` ...): what the checkpoint
+on disk holds, what vLLM loads and what transformers renames on load (:func:`original_name` maps
+transformers' parameter names back).
+
+The attention is split at the one point where the learner and the rollout engine differ:
+:func:`token_state` turns a token's layer input into its query parts and its *payload* (the
+per-token rows a later query needs: its key and its compressor/indexer projections); the rollout
+engine stores payloads in its paged cache, the learner keeps them for the whole sequence; then
+:func:`attend_sequence` answers queries of one sequence from that sequence's payload history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+import kernels
+
+from .reference import load_state_dict, tap
+
+Getter = Callable[[str], torch.Tensor]
+
+# Layer kinds (transformers' layer_types) and DeepSeek's per-layer compress_ratios spelling of them.
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+@dataclasses.dataclass(frozen=True)
+class V4Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    sliding_window: int
+    layer_kinds: tuple[str, ...]
+    compress_ratios: tuple[int, ...]  # 0 for sliding layers
+    num_hash_layers: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    inv_freq_main: torch.Tensor  # float64 [rope_dim // 2]
+    inv_freq_compress: torch.Tensor
+    tie_word_embeddings: bool = False
+    arch: str = "deepseek_v4"
+
+    def payload_width(self, layer: int) -> int:
+        """Floats cached per token in layer ``layer`` (key, then compressor and indexer rows)."""
+        kind = self.layer_kinds[layer]
+        D, Di = self.head_dim, self.index_head_dim
+        if kind == SLIDING:
+            return D
+        if kind == HCA:
+            return D + 2 * D
+        return D + 4 * D + 4 * Di
+
+    @property
+    def max_payload_width(self) -> int:
+        return max(self.payload_width(i) for i in range(self.num_layers))
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = cfg.get(n) if isinstance(cfg, Mapping) else getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _inv_freq(cfg: Any, kind: str, rope_dim: int, theta: float) -> torch.Tensor:
+    rp = _get(cfg, "rope_parameters") or {}
+    params = rp.get(kind) if isinstance(rp, Mapping) else None
+    if isinstance(params, Mapping) and params.get("rope_type", "default") not in ("default", None):
+        # YaRN etc. (full-size compress layers): the transformers formula, computed once here so both
+        # engines use the same table.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, None, layer_type=kind)
+        return inv.to(torch.float64)
+    return kernels.rope_inv_freq(rope_dim, theta)
+
+
+def v4_config(config: Any) -> V4Config:
+    """From a transformers DeepseekV4Config, a vLLM hf_config or a config.json dict / directory."""
+    if isinstance(config, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(os.fspath(config))
+    head_dim = int(_get(config, "head_dim"))
+    rope_dim = _get(config, "qk_rope_head_dim")
+    if rope_dim is None:
+        rope_dim = int(head_dim * float(_get(config, "partial_rotary_factor", default=1.0)))
+    layers = int(_get(config, "num_hidden_layers"))
+    kinds = _get(config, "layer_types")
+    if kinds is None:
+        kinds = [_RATIO_KIND[int(r)] for r in (_get(config, "compress_ratios") or [0] * layers)]
+    kinds = tuple(kinds)[:layers]
+    rates = {CSA: 4, HCA: 128, **(_get(config, "compress_rates") or {})}
+    ratios = tuple(0 if k == SLIDING else int(rates[k]) for k in kinds)
+    mlp_kinds = _get(config, "mlp_layer_types")
+    n_hash = (sum(1 for k in mlp_kinds if k == "hash_moe") if mlp_kinds is not None
+              else int(_get(config, "num_hash_layers", default=3)))
+    rp = _get(config, "rope_parameters") or {}
+    theta_main = float((rp.get("main") or {}).get("rope_theta") or _get(config, "rope_theta", default=10000.0))
+    theta_comp = float((rp.get("compress") or {}).get("rope_theta") or _get(config, "compress_rope_theta",
+                                                                              default=160000.0))
+    score = _get(config, "scoring_func", default="sqrtsoftplus")
+    if score != "sqrtsoftplus":
+        raise NotImplementedError(f"aligned DeepSeek-V4: scoring_func {score!r} (only sqrtsoftplus)")
+    return V4Config(
+        vocab_size=int(_get(config, "vocab_size")),
+        hidden_size=int(_get(config, "hidden_size")),
+        num_layers=layers,
+        num_heads=int(_get(config, "num_attention_heads")),
+        head_dim=head_dim,
+        rope_dim=int(rope_dim),
+        q_lora_rank=int(_get(config, "q_lora_rank")),
+        o_groups=int(_get(config, "o_groups")),
+        o_lora_rank=int(_get(config, "o_lora_rank")),
+        num_experts=int(_get(config, "n_routed_experts", "num_local_experts")),
+        top_k=int(_get(config, "num_experts_per_tok")),
+        moe_intermediate_size=int(_get(config, "moe_intermediate_size", "intermediate_size")),
+        n_shared_experts=int(_get(config, "n_shared_experts", default=1)),
+        routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)),
+        swiglu_limit=float(_get(config, "swiglu_limit", default=10.0)),
+        hc_mult=int(_get(config, "hc_mult")),
+        hc_sinkhorn_iters=int(_get(config, "hc_sinkhorn_iters", default=20)),
+        hc_eps=float(_get(config, "hc_eps", default=1e-6)),
+        rms_norm_eps=float(_get(config, "rms_norm_eps", default=1e-6)),
+        sliding_window=int(_get(config, "sliding_window", default=128)),
+        layer_kinds=kinds,
+        compress_ratios=ratios,
+        num_hash_layers=n_hash,
+        index_n_heads=int(_get(config, "index_n_heads")),
+        index_head_dim=int(_get(config, "index_head_dim")),
+        index_topk=int(_get(config, "index_topk")),
+        inv_freq_main=_inv_freq(config, "main", int(rope_dim), theta_main),
+        inv_freq_compress=_inv_freq(config, "compress", int(rope_dim), theta_comp),
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------------
+
+# transformers parameter name -> original DeepSeek name (the inverse of transformers' load-time
+# renaming for deepseek_v4; experts are per-expert w1/w2/w3 on disk, stacked in transformers).
+_TO_ORIGINAL = [
+    (r"^model\.embed_tokens\.", "embed."),
+    (r"^lm_head\.", "head."),
+    (r"^model\.norm\.", "norm."),
+    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^model\.layers\.", "layers."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.self_attn\.sinks$", ".attn.attn_sink"),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.compressor\.position_bias$", ".compressor.ape"),
+    (r"\.attn\.q_a_proj\.", ".attn.wq_a."),
+    (r"\.attn\.q_a_norm\.", ".attn.q_norm."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    (r"\.attn\.o_a_proj\.", ".attn.wo_a."),
+    (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
+    (r"\.mlp\.shared_experts\.gate_proj\.", ".ffn.shared_experts.w1."),
+    (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
+    (r"\.mlp\.shared_experts\.up_proj\.", ".ffn.shared_experts.w3."),
+    (r"\.mlp\.", ".ffn."),
+]
+
+
+def original_name(hf_name: str) -> str:
+    """transformers ``DeepseekV4ForCausalLM`` parameter name -> original checkpoint name (stacked
+    expert tensors are split by :func:`original_state_dict`)."""
+    n = hf_name
+    for pat, rep in _TO_ORIGINAL:
+        n = re.sub(pat, rep, n)
+    return n
+
+
+def original_state_dict(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers state dict in the original DeepSeek layout (per-expert w1/w3/w2)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in hf_state.items():
+        m = re.match(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$", k)
+        if m:
+            pre = original_name(m.group(1) + ".mlp.x").rsplit(".x", 1)[0]
+            for e in range(v.shape[0]):
+                if m.group(2) == "gate_up_proj":
+                    i = v.shape[1] // 2
+                    out[f"{pre}.experts.{e}.w1.weight"] = v[e, :i].clone()
+                    out[f"{pre}.experts.{e}.w3.weight"] = v[e, i:].clone()
+                else:
+                    out[f"{pre}.experts.{e}.w2.weight"] = v[e].clone()
+            continue
+        out[original_name(k)] = v.detach().clone()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer functions (w = getter relative to "layers.{i}.")
+# --------------------------------------------------------------------------------------------------
+
+
+def rope_tables(c: V4Config, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, rope_dim // 2]`` fp32: sliding layers use the main base, compressed layers (and
+    their compressor entries and indexer queries) the compress base."""
+    inv = c.inv_freq_main if c.layer_kinds[layer] == SLIDING else c.inv_freq_compress
+    return kernels.rope_cos_sin(positions, c.rope_dim, inv_freq=inv)
+
+
+def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of ``x[T, H, D]``."""
+    r = 2 * cos.shape[-1]
+    D = x.shape[-1]
+    return torch.cat([x[..., : D - r], kernels.apply_rope(x[..., D - r :], cos, sin, style="interleaved")], dim=-1)
+
+
+def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
+    """Per-token attention inputs of layer ``layer`` for ``x[T, hidden]`` (the normed block input):
+    ``q [T, H, D]``, ``payload [T, payload_width]`` and, in compressed sparse layers, the indexer's
+    ``idx_q [T, Hi, Di]`` and ``idx_w [T, Hi]`` fp32. Row by row: no token sees another here."""
+    T = x.shape[0]
+    H, D = c.num_heads, c.head_dim
+    kind = c.layer_kinds[layer]
+    cos, sin = rope_tables(c, layer, positions)
+    q_res = kernels.rms_norm(kernels.linear(x, w("attn.wq_a.weight")), w("attn.q_norm.weight"), c.rms_norm_eps)
+    q = kernels.linear(q_res, w("attn.wq_b.weight")).view(T, H, D)
+    q = _rope_tail(kernels.rms_norm(q, None, c.rms_norm_eps), cos, sin)
+    kv = kernels.rms_norm(kernels.linear(x, w("attn.wkv.weight")), w("attn.kv_norm.weight"), c.rms_norm_eps)
+    kv = _rope_tail(kv.view(T, 1, D), cos, sin).view(T, D)
+    parts = [kv]
+    out: dict = {"q": q}
+    if kind != SLIDING:
+        parts += [kernels.linear(x, w("attn.compressor.wkv.weight")), kernels.linear(x, w("attn.compressor.wgate.weight"))]
+    if kind == CSA:
+        Hi, Di = c.index_n_heads, c.index_head_dim
+        parts += [kernels.linear(x, w("attn.indexer.compressor.wkv.weight")),
+                  kernels.linear(x, w("attn.indexer.compressor.wgate.weight"))]
+        iq = kernels.linear(q_res, w("attn.indexer.wq_b.weight")).view(T, Hi, Di)
+        out["idx_q"] = _rope_tail(iq, cos, sin)
+        out["idx_w"] = kernels.linear(x, w("attn.indexer.weights_proj.weight"), out_dtype=torch.float32) * (Hi ** -0.5)
+    out["payload"] = torch.cat([p.to(x.dtype) for p in parts], dim=-1)
+    return out
+
+
+def _entries(c: V4Config, w: Getter, layer: int, kv: torch.Tensor, gate: torch.Tensor, prefix: str,
+             overlap: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Compressed entries ``[S // ratio, d]`` of one sequence: pooled, normed, RoPE at the window's
+    first position (compress base)."""
+    ratio = c.compress_ratios[layer]
+    pooled = kernels.compress_windows(kv, gate, w(prefix + "ape"), ratio, overlap=overlap).to(dtype)
+    normed = kernels.rms_norm(pooled, w(prefix + "norm.weight"), c.rms_norm_eps)
+    pos = torch.arange(normed.shape[0]) * ratio
+    cos, sin = kernels.rope_cos_sin(pos, c.rope_dim, inv_freq=c.inv_freq_compress)
+    return _rope_tail(normed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def attend_sequence(c: V4Config, w: Getter, layer: int, state: dict, positions: torch.Tensor,
+                    history: torch.Tensor) -> torch.Tensor:
+    """Queries of ONE sequence (``state`` rows at ``positions``) against that sequence's payload
+    ``history[L, >= payload_width]`` (row j = the token at position j; every query position < L).
+    Returns ``[T, H, D]``."""
+    D, Di = c.head_dim, c.index_head_dim
+    kind, r = c.layer_kinds[layer], c.compress_ratios[layer]
+    dtype = state["q"].dtype
+    kv = history[:, :D]
+    comp = keep = None
+    if kind != SLIDING:
+        n_ready = torch.div(positions + 1, r, rounding_mode="floor")
+        width = 2 * D if kind == CSA else D
+        ckv, cgate = history[:, D : D + width], history[:, D + width : D + 2 * width]
+        comp = _entries(c, w, layer, ckv, cgate, "attn.compressor.", kind == CSA, dtype)
+        if kind == HCA:
+            keep = torch.arange(comp.shape[0])[None, :] < n_ready[:, None]
+        else:
+            o = D + 2 * width
+            ikv, igate = history[:, o : o + 2 * Di], history[:, o + 2 * Di : o + 4 * Di]
+            ientries = _entries(c, w, layer, ikv, igate, "attn.indexer.compressor.", True, dtype)
+            scores = kernels.indexer_scores(state["idx_q"], state["idx_w"], ientries, Di ** -0.5)
+            keep = kernels.select_entries(scores, n_ready, c.index_topk)
+    return kernels.sink_attention(state["q"], positions, kv, w("attn.attn_sink"), D ** -0.5,
+                                  window=c.sliding_window, comp=comp, comp_keep=keep)
+
+
+def attn_output(c: V4Config, w: Getter, layer: int, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Undo the value's RoPE at the query position, grouped low-rank projection, then ``wo_b``."""
+    T = o.shape[0]
+    cos, sin = rope_tables(c, layer, positions)
+    o = _rope_tail(o, cos, -sin)
+    G, R = c.o_groups, c.o_lora_rank
+    grouped = o.reshape(T, G, -1)
+    wo_a = w("attn.wo_a.weight")
+    mid = torch.cat([kernels.linear(grouped[:, g], wo_a[g * R : (g + 1) * R]) for g in range(G)], dim=-1)
+    return kernels.linear(mid, w("attn.wo_b.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+
+def expert(c: V4Config, w: Getter, x: torch.Tensor, prefix: str) -> torch.Tensor:
+    """SwiGLU expert with V4's clamp: ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``."""
+    h = kernels.swiglu_clamped(kernels.linear(x, w(prefix + "w1.weight")), kernels.linear(x, w(prefix + "w3.weight")),
+                               c.swiglu_limit)
+    return kernels.linear(h, w(prefix + "w2.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+
+def route(c: V4Config, w: Getter, layer: int, x: torch.Tensor, input_ids: torch.Tensor):
+    """``(ids [T, k], weights [T, k] fp32)``: hash layers take the experts from the token-id table,
+    the others the top-k of score + bias; weights are the chosen scores renormalised and scaled."""
+    logits = kernels.router_logits(x, w("ffn.gate.weight"))
+    if layer < c.num_hash_layers:
+        scores = kernels.sqrtsoftplus(logits)
+        ids = w("ffn.gate.tid2eid")[input_ids.long()].long()
+        wts = scores.gather(1, ids)
+        denom = wts[:, 0:1]
+        for j in range(1, ids.shape[1]):
+            denom = denom + wts[:, j : j + 1]
+        return ids, wts / (denom + 1e-20) * c.routed_scaling_factor
+    return kernels.route(logits, c.top_k, score="sqrtsoftplus", expert_bias=w("ffn.gate.bias"),
+                         norm_topk_prob=True, scaling_factor=c.routed_scaling_factor)
+
+
+def moe_forward(c: V4Config, w: Getter, layer: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    ids, wts = route(c, w, layer, x, input_ids)
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    y = x.new_zeros(T * k, x.shape[1])
+    for e in torch.unique(flat).tolist():
+        sel = (flat == e).nonzero().squeeze(1)
+        y[sel] = expert(c, w, x[torch.div(sel, k, rounding_mode="floor")], f"ffn.experts.{e}.")
+    shared = expert(c, w, x, "ffn.shared_experts.") if c.n_shared_experts else None
+    return kernels.moe_combine(y.view(T, k, -1), wts, shared, out_dtype=x.dtype)
+
+
+def hc_args(c: V4Config, w: Getter, which: str) -> tuple:
+    return (w(f"hc_{which}_fn"), w(f"hc_{which}_base"), w(f"hc_{which}_scale"))
+
+
+def layer_forward(
+    c: V4Config,
+    w: Getter,
+    layer: int,
+    streams: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attend: Callable[[dict], torch.Tensor],
+) -> torch.Tensor:
+    """One decoder layer on ``streams[T, hc_mult, hidden]``. ``attend(state) -> o [T, H, D]`` (state
+    from :func:`token_state`) is the only part that differs between the learner and vLLM."""
+    kw = dict(sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+    post, comb, collapsed = kernels.hc_mix(streams, *hc_args(c, w, "attn"), **kw)
+    x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(collapsed, w("attn_norm.weight"), c.rms_norm_eps))
+    o = tap(f"layer{layer}.attention", attend(token_state(c, w, layer, x, positions)))
+    a = tap(f"layer{layer}.attn_out", attn_output(c, w, layer, o, positions))
+    streams = kernels.hc_expand(streams, a, post, comb)
+    post, comb, collapsed = kernels.hc_mix(streams, *hc_args(c, w, "ffn"), **kw)
+    x = tap(f"layer{layer}.mlp_norm", kernels.rms_norm(collapsed, w("ffn_norm.weight"), c.rms_norm_eps))
+    y = tap(f"layer{layer}.mlp", moe_forward(c, w, layer, x, input_ids))
+    return tap(f"layer{layer}.output", kernels.hc_expand(streams, y, post, comb))
+
+
+def embed(c: V4Config, embed_weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[T, hc_mult, hidden]``: the token embedding copied into every stream (exact gather)."""
+    h = embed_weight[input_ids.long()]
+    return h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+
+
+def final_hidden(c: V4Config, g: Getter, streams: torch.Tensor) -> torch.Tensor:
+    """Collapse the streams (hc head) and apply the final norm: ``[T, hidden]``. ``g`` is a global
+    getter (``hc_head_fn``, ``norm.weight``)."""
+    h = kernels.hc_head(streams, g("hc_head_fn"), g("hc_head_base"), g("hc_head_scale"), eps=c.hc_eps,
+                        norm_eps=c.rms_norm_eps)
+    return tap("final_norm", kernels.rms_norm(h, g("norm.weight"), c.rms_norm_eps))
+
+
+def lm_head_name(c: V4Config) -> str:
+    return "embed.weight" if c.tie_word_embeddings else "head.weight"
+
+
+# --------------------------------------------------------------------------------------------------
+# Full-sequence reference
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_logits(sd_or_dir, config, input_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[B, S, V]`` of right-padded sequences (original-named weights)."""
+    sd = sd_or_dir if isinstance(sd_or_dir, dict) else load_state_dict(sd_or_dir)
+    if config is None:
+        config = sd_or_dir
+    c = config if isinstance(config, V4Config) else v4_config(config)
+    input_ids = torch.as_tensor(input_ids).long()
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    B, S = input_ids.shape
+    ids = input_ids.reshape(-1)
+    pos = torch.arange(S).repeat(B)
+    streams = embed(c, sd["embed.weight"], ids)
+    for i in range(c.num_layers):
+        pre = f"layers.{i}."
+        w = lambda n, pre=pre: sd[pre + n]
+
+        def attend(state, i=i, w=w):
+            outs = []
+            for b in range(B):
+                rows = slice(b * S, (b + 1) * S)
+                st = {k: v[rows] for k, v in state.items()}
+                outs.append(attend_sequence(c, w, i, st, pos[rows], state["payload"][rows]))
+            return torch.cat(outs, dim=0)
+
+        streams = layer_forward(c, w, i, streams, ids, pos, attend)
+    h = final_hidden(c, sd.__getitem__, streams)
+    logits = kernels.lm_head_logits(h, sd[lm_head_name(c)], out_dtype=torch.float32)
+    return logits.view(B, S, -1)
+
+
+@torch.no_grad()
+def reference_logprobs(sd_or_dir, config, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, S]`` fp32: ``out[:, t] = log p(ids[:, t] | ids[:, :t])``; ``out[:, 0] = 0``."""
+    input_ids = torch.as_tensor(input_ids).long()
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    logits = reference_logits(sd_or_dir, config, input_ids)
+    B, S = input_ids.shape
+    out = torch.zeros(B, S, dtype=torch.float32)
+    if S > 1:
+        lp = kernels.logprobs_from_logits(logits[:, :-1].reshape(B * (S - 1), -1),
+                                          input_ids[:, 1:].reshape(-1), temperature)
+        out[:, 1:] = lp.view(B, S - 1)
+    return out
+
