@@ -2,7 +2,8 @@
 
 ``register_aligned()`` (idempotent; called by the vLLM plugin in every vLLM process) registers:
 
-* ``RZAlignedQwen3MoeForCausalLM`` and ``RZAlignedDeepseekV3ForCausalLM`` in vLLM's ModelRegistry,
+* ``RZAlignedQwen3MoeForCausalLM``, ``RZAlignedDeepseekV3ForCausalLM`` and
+  ``RZAlignedDeepseekV4ForCausalLM`` in vLLM's ModelRegistry,
   selectable with ``LLM(model=hf_dir, hf_overrides={"architectures": [name]}, ...)`` on the normal
   Hugging Face checkpoints;
 * the aligned attention backend as ``AttentionBackendEnum.CUSTOM``.
@@ -18,6 +19,7 @@ from __future__ import annotations
 ARCHITECTURES = {
     "RZAlignedQwen3MoeForCausalLM": "vllm_bridge.aligned.qwen3_moe:RZAlignedQwen3MoeForCausalLM",
     "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
+    "RZAlignedDeepseekV4ForCausalLM": "vllm_bridge.aligned.deepseek_v4:RZAlignedDeepseekV4ForCausalLM",
 }
 BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
 

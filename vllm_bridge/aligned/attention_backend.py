@@ -37,6 +37,10 @@ class RZAlignedAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, rz_v_head_dim: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rz_v_head_dim = rz_v_head_dim
+        # Set by a model for the duration of one call (aligned DeepSeek-V4): instead of attention,
+        # hand each sequence's cached rows (K then V channels) to fn(a, b, positions, history),
+        # which returns the output rows a:b. Used for caches that hold per-token payloads.
+        self.rz_history_fn = None
 
     @staticmethod
     def _split_cache(kv_cache: torch.Tensor):
@@ -88,6 +92,7 @@ class RZAlignedAttentionImpl(CPUAttentionBackendImpl):
         seq_lens = attn_metadata.seq_lens[:num_reqs].tolist()
         out = output.view(output.shape[0], self.num_heads, -1)
         out.zero_()
+        fn = self.rz_history_fn
         for i in range(num_reqs):
             a, b = qsl[i], qsl[i + 1]
             nq = b - a
@@ -97,8 +102,13 @@ class RZAlignedAttentionImpl(CPUAttentionBackendImpl):
             nblk = (L + bs - 1) // bs
             blocks = attn_metadata.block_table[i, :nblk].to(torch.long)
             k = kc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh, D)[:L]
-            v = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh, D)[:L, :, :dv]
             pos = torch.arange(L - nq, L)
+            if fn is not None:
+                v = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh, D)[:L]
+                o = fn(a, b, pos, torch.cat([k.reshape(L, -1), v.reshape(L, -1)], dim=-1))
+                out.view(out.shape[0], -1)[a:b, : o.shape[1]] = o.to(out.dtype)
+                continue
+            v = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh, D)[:L, :, :dv]
             o = kernels.attention(query[a:b], k, v, pos, self.scale, out_dtype=out.dtype)
             out[a:b, :, :dv] = o
         if n_tok < out.shape[0]:

@@ -34,9 +34,8 @@ from .reference import load_state_dict, tap
 
 Getter = Callable[[str], torch.Tensor]
 
-# Layer kinds (transformers' layer_types) and DeepSeek's per-layer compress_ratios spelling of them.
+# Layer kinds (transformers' layer_types; DeepSeek's config spells them as per-layer compress ratios).
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +118,12 @@ def v4_config(config: Any) -> V4Config:
     if rope_dim is None:
         rope_dim = int(head_dim * float(_get(config, "partial_rotary_factor", default=1.0)))
     layers = int(_get(config, "num_hidden_layers"))
-    kinds = _get(config, "layer_types")
-    if kinds is None:
-        kinds = [_RATIO_KIND[int(r)] for r in (_get(config, "compress_ratios") or [0] * layers)]
-    kinds = tuple(kinds)[:layers]
     rates = {CSA: 4, HCA: 128, **(_get(config, "compress_rates") or {})}
+    kinds = _get(config, "layer_types")
+    if kinds is None:  # DeepSeek's spelling: a compress ratio per layer, 0 = sliding window only
+        by_ratio = {0: SLIDING, int(rates[CSA]): CSA, int(rates[HCA]): HCA}
+        kinds = [by_ratio[int(r)] for r in (_get(config, "compress_ratios") or [0] * layers)]
+    kinds = tuple(kinds)[:layers]
     ratios = tuple(0 if k == SLIDING else int(rates[k]) for k in kinds)
     mlp_kinds = _get(config, "mlp_layer_types")
     n_hash = (sum(1 for k in mlp_kinds if k == "hash_moe") if mlp_kinds is not None
