@@ -79,6 +79,10 @@ class Learner:
         init_parallel(parallel, seed)
         if mode not in ("fast", "aligned"):
             raise ValueError(f"Learner: mode must be 'fast' or 'aligned', not {mode!r}")
+        if model_cfg.arch == "deepseek_v4":
+            # One DeepSeek-V4 learner implementation, the aligned one; in fast mode it faces the
+            # stock vLLM model (the mismatch fast mode measures).
+            mode = "aligned"
         self.model_cfg, self.parallel, self.algo, self.mode = model_cfg, parallel, algo, mode
         self.version = 0
         self.tp = ps.get_tensor_model_parallel_world_size()
@@ -86,7 +90,12 @@ class Learner:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
 
-        model = build_gpt_model(model_cfg, parallel, mode=mode)
+        if model_cfg.arch == "deepseek_v4":
+            from megatron_rz import deepseek_v4
+
+            model = deepseek_v4.build_model(model_cfg, parallel, hf_dir)
+        else:
+            model = build_gpt_model(model_cfg, parallel, mode=mode)
         hf_convert.load_hf_into_megatron(model, hf_dir, model_cfg)
         self.model = model
         self.device = next(model.parameters()).device  # cuda:LOCAL_RANK on a GPU, else cpu

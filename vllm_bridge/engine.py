@@ -108,6 +108,7 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 ALIGNED_CLASSES = {
     "Qwen3MoeForCausalLM": "RZAlignedQwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "RZAlignedDeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM": "RZAlignedDeepseekV4ForCausalLM",
 }
 
 
@@ -122,12 +123,54 @@ def _aligned_architecture(model_dir: str) -> str:
     )
 
 
+def _model_type(model_dir: str) -> str | None:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except Exception:
+        return None
+
+
 def _is_mla_config(model_dir: str) -> bool:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except Exception:
         return False
     return bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3")
+
+
+def _is_stock_deepseek_v4(model_dir: str) -> bool:
+    """The checkpoint's architecture is DeepseekV4ForCausalLM (vLLM's own class serves it)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except Exception:
+        return False
+    return "DeepseekV4ForCausalLM" in (cfg.get("architectures") or [])
+
+
+def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """Environment and engine arguments vLLM 0.32's DeepseekV4ForCausalLM needs to run on CPU.
+
+    With them (and vllm_patches' triton_interpreter_on_cpu / dsv4_cpu_swa_tile_scheduler, which
+    TRITON_INTERPRET=1 switches on in the engine's processes) the stock CPU path
+    (vllm/models/deepseek_v4/cpu/) generates; without, it fails at the first step.
+    - TRITON_INTERPRET=1: its attention-metadata builders launch Triton kernels and there is no
+      Triton CPU compiler; Triton's interpreter runs them on CPU tensors.
+    - TORCHDYNAMO_DISABLE=1: with Triton switched on, the sampler's torch.compile tries to build
+      Triton code for the stand-in CPU backend and fails.
+    - VLLM_USE_V2_MODEL_RUNNER=0, enforce_eager: the CPU DeepSeek-V4 path is written for the V1
+      CPU model runner, uncompiled.
+    - custom_ops "-rotary_embedding": vLLM-CPU's rotary op is wrong for 3-D query tensors (as for
+      DeepSeek-V3's MLA); the native torch rotary is used instead.
+    Its CPU path is bf16 only (and keeps the KV cache in fp8 "fp8_ds_mla" whatever is asked).
+    """
+    if dtype not in ("bfloat16", "bf16"):
+        raise RolloutEngineError(
+            f"vLLM 0.32's DeepSeek-V4 CPU path runs in bfloat16 only (asked for {dtype}); "
+            "set rollout.dtype=bfloat16 (mode=fast)"
+        )
+    env = {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    kwargs = {"enforce_eager": True, "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    return env, kwargs
 
 
 def _iter_buckets(
@@ -224,8 +267,8 @@ class RolloutEngine:
         if aligned:
             # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
-            if self.is_mla:
-                # The aligned DeepSeek-V3 caches expanded per-head K/V in a standard paged cache;
+            if self.is_mla or _model_type(self.model_dir) == "deepseek_v4":
+                # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.
                 env["VLLM_MLA_DISABLE"] = "1"
         elif self.is_mla:
@@ -237,6 +280,14 @@ class RolloutEngine:
                 # weight prepack only accepts bf16/fp16 ("expect weight to be bfloat16, ...") and
                 # start-up fails for fp32 models: ask for the reference CPU_MLA backend.
                 kwargs["attention_backend"] = "CPU_MLA"
+        self.is_stock_deepseek_v4 = not aligned and _is_stock_deepseek_v4(self.model_dir)
+        if self.is_stock_deepseek_v4:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                dsv4_env, dsv4_kwargs = _stock_deepseek_v4_cpu_settings(dtype)
+                env.update(dsv4_env)
+                kwargs.update(dsv4_kwargs)
         kwargs.update(engine_kwargs)
         self.engine_kwargs = kwargs
 

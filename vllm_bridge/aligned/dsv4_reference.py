@@ -235,9 +235,101 @@ def original_state_dict(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+def parameter_shapes(c: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every weight by original name -> (shape, kind); kind "model" (the model dtype), "fp32"
+    (hyper-connection, sink, window position bias and router bias: fp32 in DeepSeek's checkpoints)
+    or "int64" (the hash-routing table). Both engines build their parameter trees from this."""
+    H, D, Hn, n = c.hidden_size, c.head_dim, c.num_heads, c.hc_mult
+    Di, Hi, E, I = c.index_head_dim, c.index_n_heads, c.num_experts, c.moe_intermediate_size
+    hc = (2 + n) * n
+    out: dict[str, tuple[tuple[int, ...], str]] = {"embed.weight": ((c.vocab_size, H), "model")}
+
+    def compressor(p: str, width: int, ratio: int, d: int) -> None:
+        out[p + "wkv.weight"] = ((width, H), "model")
+        out[p + "wgate.weight"] = ((width, H), "model")
+        out[p + "ape"] = ((ratio, width), "fp32")
+        out[p + "norm.weight"] = ((d,), "model")
+
+    def ffn(p: str, inter: int) -> None:
+        out[p + "w1.weight"] = ((inter, H), "model")
+        out[p + "w2.weight"] = ((H, inter), "model")
+        out[p + "w3.weight"] = ((inter, H), "model")
+
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm.weight"] = ((H,), "model")
+        out[p + "ffn_norm.weight"] = ((H,), "model")
+        for which in ("attn", "ffn"):
+            out[p + f"hc_{which}_fn"] = ((hc, n * H), "fp32")
+            out[p + f"hc_{which}_base"] = ((hc,), "fp32")
+            out[p + f"hc_{which}_scale"] = ((3,), "fp32")
+        a = p + "attn."
+        out[a + "wq_a.weight"] = ((c.q_lora_rank, H), "model")
+        out[a + "q_norm.weight"] = ((c.q_lora_rank,), "model")
+        out[a + "wq_b.weight"] = ((Hn * D, c.q_lora_rank), "model")
+        out[a + "wkv.weight"] = ((D, H), "model")
+        out[a + "kv_norm.weight"] = ((D,), "model")
+        out[a + "wo_a.weight"] = ((c.o_groups * c.o_lora_rank, Hn * D // c.o_groups), "model")
+        out[a + "wo_b.weight"] = ((H, c.o_groups * c.o_lora_rank), "model")
+        out[a + "attn_sink"] = ((Hn,), "fp32")
+        kind, ratio = c.layer_kinds[i], c.compress_ratios[i]
+        if kind != SLIDING:
+            compressor(a + "compressor.", 2 * D if kind == CSA else D, ratio, D)
+        if kind == CSA:
+            compressor(a + "indexer.compressor.", 2 * Di, ratio, Di)
+            out[a + "indexer.wq_b.weight"] = ((Hi * Di, c.q_lora_rank), "model")
+            out[a + "indexer.weights_proj.weight"] = ((Hi, H), "model")
+        f = p + "ffn."
+        out[f + "gate.weight"] = ((E, H), "model")
+        if i < c.num_hash_layers:
+            out[f + "gate.tid2eid"] = ((c.vocab_size, c.top_k), "int64")
+        else:
+            out[f + "gate.bias"] = ((E,), "fp32")
+        for e in range(E):
+            ffn(f + f"experts.{e}.", I)
+        if c.n_shared_experts:
+            ffn(f + "shared_experts.", I * c.n_shared_experts)
+    out["norm.weight"] = ((H,), "model")
+    out["hc_head_fn"] = ((n, n * H), "fp32")
+    out["hc_head_base"] = ((n,), "fp32")
+    out["hc_head_scale"] = ((1,), "fp32")
+    if not c.tie_word_embeddings:
+        out["head.weight"] = ((c.vocab_size, H), "model")
+    return out
+
+
+def build_parameter_tree(root: "torch.nn.Module", c: V4Config, make: Callable[[str, tuple, str], Any],
+                         prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Register ``make(name, shape, kind)`` (a Parameter, or a tensor then registered as a buffer)
+    under ``root`` for every original name that starts with ``prefix`` (at the name relative to it)
+    and whose relative name starts with none of ``skip``; intermediate modules are created."""
+    from torch import nn
+
+    for name, (shape, kind) in parameter_shapes(c).items():
+        if not name.startswith(prefix) or name[len(prefix):].startswith(skip or ("\0",)):
+            continue
+        *path, leaf = name[len(prefix):].split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        t = make(name, shape, kind)
+        if isinstance(t, nn.Parameter):
+            mod.register_parameter(leaf, t)
+        else:
+            mod.register_buffer(leaf, t)
+
+
 # --------------------------------------------------------------------------------------------------
 # Per-layer functions (w = getter relative to "layers.{i}.")
 # --------------------------------------------------------------------------------------------------
+
+
+def lookup(module: "torch.nn.Module", name: str) -> torch.Tensor:
+    """The parameter or buffer at dotted ``name`` under ``module``."""
+    mod, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(mod) if mod else module, leaf)
 
 
 def rope_tables(c: V4Config, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,9 +472,11 @@ def layer_forward(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     attend: Callable[[dict], torch.Tensor],
+    moe: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """One decoder layer on ``streams[T, hc_mult, hidden]``. ``attend(state) -> o [T, H, D]`` (state
-    from :func:`token_state`) is the only part that differs between the learner and vLLM."""
+    from :func:`token_state`) is the only part that differs between the learner and vLLM. ``moe(x)``
+    overrides :func:`moe_forward` (the learner's MoE module)."""
     kw = dict(sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.rms_norm_eps)
     post, comb, collapsed = kernels.hc_mix(streams, *hc_args(c, w, "attn"), **kw)
     x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(collapsed, w("attn_norm.weight"), c.rms_norm_eps))
@@ -391,7 +485,7 @@ def layer_forward(
     streams = kernels.hc_expand(streams, a, post, comb)
     post, comb, collapsed = kernels.hc_mix(streams, *hc_args(c, w, "ffn"), **kw)
     x = tap(f"layer{layer}.mlp_norm", kernels.rms_norm(collapsed, w("ffn_norm.weight"), c.rms_norm_eps))
-    y = tap(f"layer{layer}.mlp", moe_forward(c, w, layer, x, input_ids))
+    y = tap(f"layer{layer}.mlp", moe(x) if moe is not None else moe_forward(c, w, layer, x, input_ids))
     return tap(f"layer{layer}.output", kernels.hc_expand(streams, y, post, comb))
 
 
