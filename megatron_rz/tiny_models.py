@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.rms_norm_eps,
         tie_word_embeddings=m.tie_word_embeddings,
+        initializer_range=m.initializer_range,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         bos_token_id=eos_id,
@@ -61,6 +63,8 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
         norm_topk_prob=m.norm_topk_prob,
         dtype=m.dtype,
     )
+    if m.arch == "deepseek_v4":
+        return _deepseek_v4_config(m, eos_id, pad_id)
     if m.arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -97,10 +101,131 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
     return cfg
 
 
-def _hf_model_class(arch: str):
-    from transformers import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
+def _deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
+    """transformers' DeepseekV4Config, plus the original DeepSeek config names vLLM reads.
 
-    return {"qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}[arch]
+    transformers folds `compress_ratios`, `num_hash_layers` and `qk_rope_head_dim` into its own
+    `layer_types` / `mlp_layer_types` / `partial_rotary_factor` (and accepts them back as legacy
+    keys); vLLM 0.32's DeepseekV4ForCausalLM reads only the original names, and needs
+    `topk_method="noaux_tc"` for its score-routed layers. save_hf_checkpoint writes config.json
+    with the original names only (see there).
+    """
+    from transformers import DeepseekV4Config
+
+    cfg = DeepseekV4Config(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        q_lora_rank=m.q_lora_rank,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        o_groups=m.o_groups,
+        o_lora_rank=m.o_lora_rank,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        compress_rope_theta=m.compress_rope_theta,
+        rms_norm_eps=m.rms_norm_eps,
+        tie_word_embeddings=m.tie_word_embeddings,
+        initializer_range=m.initializer_range,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=eos_id,
+        n_routed_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        n_shared_experts=m.num_shared_experts,
+        moe_intermediate_size=m.moe_ffn_hidden_size,
+        scoring_func=m.router_score,
+        norm_topk_prob=m.norm_topk_prob,
+        routed_scaling_factor=m.routed_scaling_factor,
+        swiglu_limit=m.swiglu_limit,
+        compress_ratios=list(m.compress_ratios),
+        num_hash_layers=m.num_hash_layers,
+        hc_mult=m.hc_mult,
+        sliding_window=m.sliding_window,
+        index_n_heads=m.index_n_heads,
+        index_head_dim=m.index_head_dim,
+        index_topk=m.index_topk,
+        num_nextn_predict_layers=0,  # no multi-token-prediction head in a tiny model
+        dtype=m.dtype,
+    )
+    cfg.compress_ratios = list(m.compress_ratios)
+    cfg.num_hash_layers = m.num_hash_layers
+    cfg.topk_method = "noaux_tc"
+    return cfg
+
+
+def _hf_model_class(arch: str):
+    from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Qwen3MoeForCausalLM
+
+    return {
+        "qwen3_moe": Qwen3MoeForCausalLM,
+        "deepseek_v3": DeepseekV3ForCausalLM,
+        "deepseek_v4": DeepseekV4ForCausalLM,
+    }[arch]
+
+
+def random_hash_table(vocab_size: int, top_k: int, num_experts: int, generator: torch.Generator) -> torch.Tensor:
+    """A hash-routing table tid2eid [vocab, top_k]: each token id goes to top_k distinct experts."""
+    scores = torch.rand(vocab_size, num_experts, generator=generator)
+    return scores.argsort(dim=1)[:, :top_k].contiguous()
+
+
+# DeepSeek-V4 checkpoints are written with the ORIGINAL DeepSeek tensor names (embed.weight,
+# head.weight, norm.weight, hc_head_fn, layers.N.attn.wq_a.weight, layers.N.hc_attn_fn,
+# layers.N.ffn.gate.tid2eid / .bias, layers.N.ffn.experts.E.w1.weight, ...), i.e. the layout of the
+# released DeepSeek-V4 checkpoints. That is the one layout both readers accept: vLLM 0.32's
+# DeepseekV4ForCausalLM maps exactly these names (hf_to_vllm_mapper, stacked w1/w3, wq_a/wkv), and
+# transformers 5.19 renames them on load (conversion_mapping "deepseek_v4"). transformers' own
+# save_pretrained writes a hybrid (model.embed_tokens.weight, model.hc_head.hc_fn, model.layers.*)
+# that vLLM cannot load, so the state dict is converted here: transformers' reverse conversion
+# (revert_weight_conversion: experts split per expert, attn/ffn/hc renames) and then the renames it
+# gets wrong or leaves out: the "model." prefix, embed_tokens, hc_head.hc_*, and the attention's
+# kv_norm (transformers maps both `attn.kv_norm` and `compressor.norm` onto `kv_norm`, so its
+# reverse turns both into `norm`; only the compressor's is `norm` in DeepSeek's layout).
+_DSV4_TOP_RENAMES = {
+    "embed_tokens.weight": "embed.weight",
+    "hc_head.hc_fn": "hc_head_fn",
+    "hc_head.hc_base": "hc_head_base",
+    "hc_head.hc_scale": "hc_head_scale",
+}
+_DSV4_ATTN_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$")
+
+
+def deepseek_v4_original_state_dict(model) -> dict[str, torch.Tensor]:
+    """A transformers DeepseekV4ForCausalLM's weights under the original DeepSeek names."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = {}
+    for name, t in revert_weight_conversion(model, model.state_dict()).items():
+        name = name.removeprefix("model.")
+        name = _DSV4_ATTN_NORM.sub(r"\1.kv_norm.weight", _DSV4_TOP_RENAMES.get(name, name))
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def save_hf_checkpoint(model, out_dir: Path, arch: str) -> None:
+    """Write config.json + model.safetensors for vLLM and from_pretrained (see the note above for
+    deepseek_v4's names; the other architectures use save_pretrained's names)."""
+    if arch != "deepseek_v4":
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    for old in out_dir.glob("model*.safetensors*"):
+        old.unlink()
+    # config.json as DeepSeek ships it: vLLM's own DeepseekV4Config validates `layer_types` /
+    # `mlp_layer_types` against the generic PreTrainedConfig values and refuses transformers'
+    # ("hash_moe", "compressed_sparse_attention"), so only the original keys (compress_ratios,
+    # num_hash_layers) go to disk; transformers rebuilds its lists from them on load.
+    cfg = model.config.to_dict()
+    for key in ("layer_types", "mlp_layer_types"):
+        cfg.pop(key, None)
+    cfg["architectures"] = [type(model).__name__]
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(deepseek_v4_original_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
@@ -112,10 +237,17 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
     cfg = hf_config(recipe.model, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)
     model = _hf_model_class(recipe.model.arch)(cfg).to(torch.float32)
-    if recipe.model.arch == "deepseek_v3":
-        # transformers initialises the noaux_tc bias to zeros; keep it, it is learned by load balancing.
-        pass
-    model.save_pretrained(out_dir, safe_serialization=True)
+    # transformers initialises the noaux_tc bias to zeros (DeepSeek-V3 and V4); keep it, it is
+    # learned by load balancing.
+    if recipe.model.arch == "deepseek_v4":
+        # transformers initialises the hash-routing tables to zeros ("real values come from the
+        # checkpoint"): every token would go to expert 0 six times. Draw a fixed random table.
+        gen = torch.Generator().manual_seed(seed)
+        m = recipe.model
+        for name, buf in model.named_buffers():
+            if name.endswith(".gate.tid2eid"):
+                buf.copy_(random_hash_table(m.vocab_size, m.top_k, m.num_experts, gen))
+    save_hf_checkpoint(model, out_dir, recipe.model.arch)
     return model, tok
 
 
@@ -175,7 +307,7 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
         bar.set_postfix(loss=f"{loss.item():.3f}")
     torch.set_num_threads(threads)
     model.eval()
-    model.to(getattr(torch, recipe.model.dtype)).save_pretrained(out_dir, safe_serialization=True)
+    save_hf_checkpoint(model.to(getattr(torch, recipe.model.dtype)), out_dir, recipe.model.arch)
     info = {"sft_steps": ws.steps, "sft_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}
     (Path(out_dir) / "warm_start.json").write_text(json.dumps(info, indent=2))
     return info
