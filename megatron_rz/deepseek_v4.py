@@ -12,8 +12,11 @@ Gradients: the ``kernels`` ops give exact forwards and plain-torch backwards. Th
 choice carries no gradient (as in the reference model); the noaux_tc expert bias and the hash table
 ``tid2eid`` are buffers, not trained by the loss.
 
-Parallelism: TP = EP = PP = 1 (data parallel through Megatron's DDP as for the other models);
-:func:`check_supported` refuses other layouts with the reason.
+Parallelism: data parallel (Megatron's DDP) and expert parallel: with ``ep`` ranks each holds
+``num_experts / ep`` routed experts (named by their global id), the ranks all-gather their tokens,
+each computes the slots routed to its own experts (the others stay exact zeros) and a
+reduce-scatter hands every token its slots back; the combine then runs in slot order as with one
+rank, so EP=2 equals EP=1 bitwise. TP and PP are refused (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from megatron_rz.recipe import ModelConfig, ParallelConfig
 from vllm_bridge.aligned import dsv4_reference as R
 
 
-def check_supported(parallel: ParallelConfig) -> None:
-    if (parallel.tp, parallel.ep, parallel.pp, parallel.etp) != (1, 1, 1, 1):
+def check_supported(parallel: ParallelConfig, num_experts: int) -> None:
+    if (parallel.tp, parallel.pp, parallel.etp) != (1, 1, 1):
         raise ValueError(
-            f"deepseek_v4 learner: parallel tp={parallel.tp} ep={parallel.ep} pp={parallel.pp} etp={parallel.etp} "
-            "is not supported yet (the DeepSeek-V4 modules run TP=EP=PP=1; scale out with parallel.dp): "
-            "set parallel.tp, ep, pp and etp to 1"
+            f"deepseek_v4 learner: parallel tp={parallel.tp} pp={parallel.pp} etp={parallel.etp} is not supported "
+            "yet (the DeepSeek-V4 modules are data and expert parallel): set parallel.tp, pp and etp to 1 and "
+            "scale with parallel.dp and parallel.ep"
         )
+    if num_experts % parallel.ep:
+        raise ValueError(f"deepseek_v4 learner: parallel.ep={parallel.ep} must divide the {num_experts} routed experts")
 
 
 def transformer_config(m: ModelConfig, parallel: ParallelConfig):
@@ -45,7 +50,8 @@ def transformer_config(m: ModelConfig, parallel: ParallelConfig):
         bf16=dtype == torch.bfloat16, pipeline_dtype=dtype, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
-        expert_model_parallel_size=parallel.ep, gradient_accumulation_fusion=False,
+        expert_model_parallel_size=parallel.ep, num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_router_topk=m.top_k, gradient_accumulation_fusion=False,
     )
 
 
@@ -76,19 +82,53 @@ class DeepseekV4Attention(nn.Module):
         return R.attend_sequence(self.c, w, self.index, state, positions, history)
 
 
+def _expert_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(), \
+        ps.get_expert_model_parallel_group()
+
+
+def _expert_id(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
+
+
 class DeepseekV4MoE(nn.Module):
-    """The ``layers.{i}.ffn.*`` weights (router, routed and shared experts); routing and expert
-    compute are :func:`dsv4_reference.moe_forward` (hash table in the first layers, sqrt-softplus
-    top-k after)."""
+    """The ``layers.{i}.ffn.*`` weights: router and shared expert on every rank, this expert-parallel
+    rank's routed experts. Routing (hash table in the first layers, sqrt-softplus top-k after) and
+    expert compute are :mod:`dsv4_reference`'s."""
 
     def __init__(self, c: R.V4Config, index: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.c, self.index = c, index
-        R.build_parameter_tree(self, c, _maker(dtype), prefix=f"layers.{index}.ffn.")
+        self.ep, rank, self.group = _expert_group()
+        per = c.num_experts // self.ep
+        self.owned = range(rank * per, (rank + 1) * per)
+        R.build_parameter_tree(self, c, _maker(dtype), prefix=f"layers.{index}.ffn.",
+                               include=lambda n: _expert_id(n) is None or _expert_id(n) in self.owned)
+        for name, p in self.named_parameters():
+            if name.startswith("experts."):
+                p.allreduce = False  # Megatron DDP: reduce over the expert-data-parallel group
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        import kernels
+        from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
+
+        from megatron_rz.aligned_spec import _all_gather_first_dim, _gather_seq
+
+        c = self.c
         w = lambda n: R.lookup(self, n.removeprefix("ffn."))
-        return R.moe_forward(self.c, w, self.index, x, input_ids)
+        if self.ep == 1:
+            return R.moe_forward(c, w, self.index, x, input_ids)
+        ids, wts = R.route(c, w, self.index, x, input_ids)
+        x_all = _gather_seq(x, self.group)  # autograd: all-gather forward, reduce-scatter backward
+        ids_all = _all_gather_first_dim(ids, self.group)
+        y_all = R.routed_outputs(c, w, x_all, ids_all, self.owned)  # other ranks' slots: exact zeros
+        T, k = ids.shape
+        y = reduce_scatter_to_sequence_parallel_region(y_all.reshape(-1, k * x.shape[1]), group=self.group)
+        shared = R.expert(c, w, x, "ffn.shared_experts.") if c.n_shared_experts else None
+        return kernels.moe_combine(y.view(T, k, -1), wts, shared, out_dtype=x.dtype)
 
 
 class DeepseekV4Layer(nn.Module):
@@ -151,8 +191,8 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import build_module
 
-    check_supported(parallel)
     c = R.v4_config(str(hf_dir))
+    check_supported(parallel, c.num_experts)
     config = transformer_config(model_cfg, parallel)
     dtype = getattr(torch, model_cfg.dtype)
 
@@ -197,9 +237,24 @@ def load_weights(model, hf_dir_or_state_dict) -> None:
         t.copy_(sd[name].to(t.dtype))
 
 
+@torch.no_grad()
 def export_weights(model):
-    """(original name, tensor) for every parameter and buffer: what vLLM and the checkpoint hold."""
-    for name, t in model.named_parameters():
-        yield name, t.detach()
-    for name, t in model.named_buffers():
-        yield name, t.detach()
+    """(original name, full tensor) for every parameter and buffer: what vLLM and the checkpoint hold.
+
+    Collective under expert parallelism (every rank iterates to the end): each routed-expert tensor
+    is all-gathered over the expert group, so every rank yields all experts."""
+    import torch.distributed as dist
+
+    ep, _, group = _expert_group()
+    c = model.c
+    per = c.num_experts // ep
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        e = _expert_id(name)
+        if e is None or ep == 1:
+            yield name, t.detach()
+            continue
+        parts = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(parts, t.detach().contiguous(), group=group)
+        local = e % per  # same local slot on every rank: the iteration orders match
+        for r, part in enumerate(parts):
+            yield name.replace(f"experts.{e}.", f"experts.{r * per + local}."), part

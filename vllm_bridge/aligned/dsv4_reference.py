@@ -299,14 +299,18 @@ def parameter_shapes(c: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def build_parameter_tree(root: "torch.nn.Module", c: V4Config, make: Callable[[str, tuple, str], Any],
-                         prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+                         prefix: str = "", skip: tuple[str, ...] = (),
+                         include: Optional[Callable[[str], bool]] = None) -> None:
     """Register ``make(name, shape, kind)`` (a Parameter, or a tensor then registered as a buffer)
-    under ``root`` for every original name that starts with ``prefix`` (at the name relative to it)
-    and whose relative name starts with none of ``skip``; intermediate modules are created."""
+    under ``root`` for every original name that starts with ``prefix`` (at the name relative to it),
+    whose relative name starts with none of ``skip`` and that ``include`` accepts; intermediate
+    modules are created."""
     from torch import nn
 
     for name, (shape, kind) in parameter_shapes(c).items():
         if not name.startswith(prefix) or name[len(prefix):].startswith(skip or ("\0",)):
+            continue
+        if include is not None and not include(name):
             continue
         *path, leaf = name[len(prefix):].split(".")
         mod = root
@@ -448,16 +452,25 @@ def route(c: V4Config, w: Getter, layer: int, x: torch.Tensor, input_ids: torch.
                          norm_topk_prob=True, scaling_factor=c.routed_scaling_factor)
 
 
-def moe_forward(c: V4Config, w: Getter, layer: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    ids, wts = route(c, w, layer, x, input_ids)
+def routed_outputs(c: V4Config, w: Getter, x: torch.Tensor, ids: torch.Tensor,
+                   owned: Optional[range] = None) -> torch.Tensor:
+    """``[T, k, hidden]``: slot j of token t = expert ``ids[t, j]`` on ``x[t]`` (each token alone).
+    With ``owned`` (expert parallel), slots of other ranks' experts stay exactly zero."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     y = x.new_zeros(T * k, x.shape[1])
     for e in torch.unique(flat).tolist():
+        if owned is not None and e not in owned:
+            continue
         sel = (flat == e).nonzero().squeeze(1)
         y[sel] = expert(c, w, x[torch.div(sel, k, rounding_mode="floor")], f"ffn.experts.{e}.")
+    return y.view(T, k, -1)
+
+
+def moe_forward(c: V4Config, w: Getter, layer: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    ids, wts = route(c, w, layer, x, input_ids)
     shared = expert(c, w, x, "ffn.shared_experts.") if c.n_shared_experts else None
-    return kernels.moe_combine(y.view(T, k, -1), wts, shared, out_dtype=x.dtype)
+    return kernels.moe_combine(routed_outputs(c, w, x, ids), wts, shared, out_dtype=x.dtype)
 
 
 def hc_args(c: V4Config, w: Getter, which: str) -> tuple:
