@@ -197,7 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="directory for the comparison plots")
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run dir")
     p.set_defaults(fn=cmd_plot)
-    args = parser.parse_args(argv)
+    # Overrides may follow flags (`rz submit r.yaml --dry-run a=b`): argparse stops filling a
+    # positional list at the first flag, so collect the key=value words it left over.
+    args, rest = parser.parse_known_args(argv)
+    extra = [w for w in rest if "=" in w and not w.startswith("-")]
+    if len(extra) != len(rest) or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(w for w in rest if w not in extra) or ' '.join(extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
         return args.fn(args)
     except RecipeError as e:

@@ -101,3 +101,11 @@ def test_refused_before_anything_is_written_or_submitted(overrides, fragment, tm
     err = capsys.readouterr().err
     assert rc == 2 and fragment in err and "Traceback" not in err
     assert not logs.exists()
+
+
+def test_overrides_may_follow_flags(capsys, tmp_path):
+    path = ROOT / "recipes" / "deepseek_v4_flash.yaml"
+    assert main(["submit", str(path), "--dry-run", f"cluster.log_dir={tmp_path}/after_flag"]) == 0
+    assert f"{tmp_path}/after_flag" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a word that is neither a flag nor key=value is still refused
+        main(["submit", str(path), "--dry-run", "not-an-override"])
