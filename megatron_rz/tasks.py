@@ -35,18 +35,35 @@ class Task(Protocol):
 
 
 class Arithmetic:
-    """`a+b=` -> `c`, operands with up to `digits` digits; reward 1.0 on an exact answer."""
+    """`a+b=` -> `c`, operands with up to `digits` digits; reward 1.0 on an exact answer.
 
-    def __init__(self, digits: int = 2, ops: list[str] = ("+",), eval_prompts: int = 200, seed: int = 1234):
-        self.digits, self.ops = digits, list(ops)
+    ``few_shot=k`` (task.kwargs) puts k solved examples before each question, `a+b=c;` each
+    (~9 tokens for 2 digits): long prompts, e.g. to reach past a sliding attention window.
+    """
+
+    SEP = ";"
+
+    def __init__(
+        self, digits: int = 2, ops: list[str] = ("+",), eval_prompts: int = 200, seed: int = 1234, few_shot: int = 0
+    ):
+        self.digits, self.ops, self.few_shot = digits, list(ops), int(few_shot)
         self._eval = self._draw(random.Random(seed), eval_prompts)
-        self._eval_prompts = {p.prompt for p in self._eval}
+        self._eval_questions = {self.question(p) for p in self._eval}
 
-    def _one(self, rng: random.Random) -> Problem:
+    def _qa(self, rng: random.Random) -> tuple[str, str]:
         hi = 10**self.digits - 1
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(self.ops)
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return Problem(f"{a}{op}{b}=", str(c))
+        return f"{a}{op}{b}=", str(c)
+
+    def _one(self, rng: random.Random) -> Problem:
+        q, c = self._qa(rng)
+        shots = "".join(p + a + self.SEP for p, a in (self._qa(rng) for _ in range(self.few_shot)))
+        return Problem(shots + q, c)
+
+    def question(self, problem: Problem) -> str:
+        """The question itself (`a+b=`), without the few-shot examples."""
+        return problem.prompt.rsplit(self.SEP, 1)[-1]
 
     def _draw(self, rng: random.Random, n: int) -> list[Problem]:
         return [self._one(rng) for _ in range(n)]
@@ -56,7 +73,7 @@ class Arithmetic:
         out: list[Problem] = []
         while len(out) < n:
             p = self._one(rng)
-            if p.prompt not in self._eval_prompts:
+            if self.question(p) not in self._eval_questions:
                 out.append(p)
         return out
 
@@ -72,10 +89,10 @@ class Arithmetic:
     def distractor(self, problem: Problem) -> str | None:
         """The answer someone who forgets to carry would give ("58+67=" -> "15"): column-wise
         digit sums mod 10. None when that equals the true answer (no carry) or op is not '+'."""
-        op = "+" if "+" in problem.prompt else None
-        if op is None:
+        question = self.question(problem)
+        if "+" not in question:
             return None
-        a, b = problem.prompt.rstrip("=").split("+")
+        a, b = question.rstrip("=").split("+")
         width = max(len(a), len(b))
         a, b = a.zfill(width), b.zfill(width)
         wrong = "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b)).lstrip("0") or "0"

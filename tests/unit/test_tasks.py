@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from megatron_rz.recipe import TaskConfig
-from megatron_rz.tasks import Arithmetic, make_task
+from megatron_rz.tasks import Arithmetic, Problem, make_task
 from megatron_rz.tiny_models import train_tokenizer
 
 
@@ -17,6 +17,27 @@ def test_arithmetic_reward_and_held_out_split():
     assert t.reward(p, p.answer) == 1.0 and t.reward(p, p.answer + "1") == 0.0 and t.reward(p, " " + p.answer) == 1.0
     held = {q.prompt for q in t.eval_set()}
     assert not held & {q.prompt for q in t.sample(random.Random(3), 2000)}
+
+
+def test_arithmetic_few_shot_preamble():
+    plain = Arithmetic(digits=2, eval_prompts=20, seed=1)
+    shots = Arithmetic(digits=2, eval_prompts=20, seed=1, few_shot=3)
+    p = shots.sample(random.Random(0), 1)[0]
+    examples, question = p.prompt.split(";")[:-1], shots.question(p)
+    assert len(examples) == 3 and all(int(e.split("=")[0].split("+")[0]) + int(e.split("=")[0].split("+")[1])
+                                      == int(e.split("=")[1]) for e in examples)
+    a, b = question.rstrip("=").split("+")
+    assert p.answer == str(int(a) + int(b)) and shots.reward(p, p.answer) == 1.0
+    # the held-out split is on the question, whatever examples precede it
+    held = {shots.question(q) for q in shots.eval_set()}
+    assert not held & {shots.question(q) for q in shots.sample(random.Random(3), 500)}
+    # few_shot=0 draws exactly the prompts it drew before the option existed (a, b, op per prompt)
+    rng, old = random.Random(1), []
+    for _ in range(20):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        old.append(f"{a}{rng.choice(['+'])}{b}=")
+    assert [q.prompt for q in plain.eval_set()] == old
+    assert shots.distractor(Problem("1+2=3;58+67=", "125")) == "15"
 
 
 def test_user_task_by_import_path(tmp_path, monkeypatch):
