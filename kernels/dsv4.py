@@ -278,11 +278,14 @@ def sink_attention(
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
     """``sqrt(softplus(x))`` in fp32 from ``exp``/``log`` (F.softplus's vector and scalar paths
-    differ); ``softplus = x`` above 20 and ``exp(x)`` below -15, as fp32 rounding makes them."""
+    differ). ``log1p(e)`` as ``log(u) * e / (u - 1)`` with ``u = 1 + e`` (Goldberg's trick: accurate
+    when ``e`` is tiny, where ``log(1 + e)`` alone loses most digits); ``softplus = x`` above 20."""
     x = x.to(torch.float32)
     e = torch.exp(torch.clamp(x, max=20.0))
-    sp = torch.where(x > 20.0, x, torch.where(x < -15.0, e, torch.log(1.0 + e)))
-    return torch.sqrt(sp)
+    u = 1.0 + e
+    d = u - 1.0
+    log1p = torch.where(d == 0, e, torch.log(u) * (e / torch.where(d == 0, torch.ones_like(d), d)))
+    return torch.sqrt(torch.where(x > 20.0, x, log1p))
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ the checkpoint loads, and weight updates reload, with vLLM's default loader.
 KV cache: a DeepSeek-V4 query needs, for each earlier token of its sequence, its key (sliding
 window) and its compressor/indexer projections (compressed entries are pooled from them). Each layer
 therefore caches one *payload* row per token (:func:`dsv4_reference.token_state`), zero-padded to
-one width for all layers and stored as the K and V halves of a single-KV-head paged cache through
+one width for all layers and stored as the K and V halves of a paged cache (128-wide KV heads) through
 the aligned attention backend. At attention time the backend gathers a sequence's payload rows
 0..L-1 and hands them to this model's :func:`dsv4_reference.attend_sequence`, exactly what the
 learner runs over its full sequence. The stock vLLM model instead keeps an fp8 compressed cache and
@@ -36,6 +36,7 @@ from .attention_backend import RZAlignedAttentionBackend
 
 
 class RZAlignedDeepseekV4ForCausalLM(nn.Module):
+    CACHE_HEAD = 128
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         self.config = vllm_config.model_config.hf_config
@@ -43,16 +44,19 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.cache_config = vllm_config.cache_config
         Hn, D = c.num_heads, c.head_dim
-        # One cache width for every layer (vLLM sizes pages per layer; equal pages keep one group).
-        self.payload = c.max_payload_width + (c.max_payload_width % 2)
-        half = self.payload // 2
-        out_heads = -(-Hn * D // half)  # the attention op's output must hold H * D values
+        # One cache width for every layer (vLLM sizes pages per layer; equal pages keep one group),
+        # split into KV heads of 128 (vLLM's CPU attention metadata refuses other head sizes, e.g.
+        # 1536): the K half then the V half of a row hold the payload.
+        hs = self.CACHE_HEAD
+        half = -(-c.max_payload_width // (2 * hs)) * hs
+        self.payload, kv_heads = 2 * half, half // hs
+        out_heads = kv_heads * -(-Hn * D // half)  # output must hold H * D values; a multiple of kv heads
         kinds = {"model": dtype, "fp32": torch.float32, "int64": torch.int64}
         R.build_parameter_tree(self, c, lambda name, shape, kind: nn.Parameter(
             torch.zeros(shape, dtype=kinds[kind]), requires_grad=False))
         for i in range(c.num_layers):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
-                num_heads=out_heads, head_size=half, scale=1.0, num_kv_heads=1, cache_config=self.cache_config,
+                num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,
                 quant_config=None, prefix=f"layers.{i}.attn.cache", attn_backend=RZAlignedAttentionBackend,
             )
         self.logits_processor = _LogitsScale(c.vocab_size)
@@ -76,7 +80,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         # The backend calls history_fn for each sequence of the batch (see attention_backend).
         cache.impl.rz_history_fn = history_fn
         try:
-            dummy_q = payload.new_zeros(T, cache.num_heads * half)
+            dummy_q = payload.new_zeros(T, cache.num_heads * self.CACHE_HEAD)
             out = cache(dummy_q, payload[:, :half].contiguous(), payload[:, half:].contiguous())
         finally:
             cache.impl.rz_history_fn = None
