@@ -22,6 +22,7 @@ engine stores payloads in its paged cache, the learner keeps them for the whole 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from typing import Any, Callable, Mapping, Optional
@@ -110,9 +111,7 @@ def _inv_freq(cfg: Any, kind: str, rope_dim: int, theta: float) -> torch.Tensor:
 def v4_config(config: Any) -> V4Config:
     """From a transformers DeepseekV4Config, a vLLM hf_config or a config.json dict / directory."""
     if isinstance(config, (str, os.PathLike)):
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(os.fspath(config))
+        return _v4_config_of_dir(os.path.abspath(os.fspath(config)), os.path.getmtime(os.path.join(config, "config.json")))
     head_dim = int(_get(config, "head_dim"))
     rope_dim = _get(config, "qk_rope_head_dim")
     if rope_dim is None:
@@ -166,6 +165,13 @@ def v4_config(config: Any) -> V4Config:
         inv_freq_compress=_inv_freq(config, "compress", int(rope_dim), theta_comp),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _v4_config_of_dir(path: str, mtime: float) -> V4Config:  # mtime: a rewritten config is re-read
+    from transformers import AutoConfig
+
+    return v4_config(AutoConfig.from_pretrained(path))
 
 
 # --------------------------------------------------------------------------------------------------
