@@ -2,7 +2,9 @@
 
 Every learner rank runs this function (torchrun for tp/ep/dp > 1). Global rank 0 also owns the
 vLLM rollout engine, the task and the logs; the batch it builds is broadcast to the other ranks,
-and the new weights flow back to it through the collective `export_hf_weights()` stream.
+and the new weights flow back to it through the collective `export_hf_weights()` stream. In an
+`rz submit` job (RZ_REMOTE_ROLLOUT=1) rank 0's engine is a vllm_bridge.remote.RemoteRolloutEngine:
+the same engine, started on the job's rollout nodes and driven over TCP (docs/slurm.md).
 
     learner --weights (HF names, version)--> vLLM engine --samples (ids, logprobs, version)--> learner
 """
@@ -10,6 +12,7 @@ and the new weights flow back to it through the collective `export_hf_weights()`
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from megatron_rz.batch_filters import flatten_groups, overlong_shaping, refill_g
 from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
-from megatron_rz.recipe import Recipe, dump_recipe
+from megatron_rz.recipe import Recipe, RecipeError, dump_recipe
 from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, step_rng, truncate_metrics
 from megatron_rz.tasks import Problem, make_task
 
@@ -74,19 +77,20 @@ def _broadcast(obj):
 
 
 class RolloutSide:
-    """Rank 0's half: task, tokenizer, vLLM engine, evaluation."""
+    """Rank 0's half: task, tokenizer, vLLM engine, evaluation.
 
-    def __init__(self, recipe: Recipe, model_dir: Path):
+    The engine is a local vllm_bridge.engine.RolloutEngine, or with ``remote`` (a connected
+    vllm_bridge.remote.RemoteRolloutEngine: the rollout hosts of an `rz submit` job) the same
+    engine started on the rollout nodes with the same settings."""
+
+    def __init__(self, recipe: Recipe, model_dir: Path, remote=None):
         from transformers import AutoTokenizer
-
-        from vllm_bridge.engine import RolloutEngine
 
         self.recipe = recipe
         self.task = make_task(recipe.task)
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         r = recipe.rollout
-        self.engine = RolloutEngine(
-            str(model_dir),
+        engine_kwargs = dict(
             dtype=recipe.rollout.dtype or recipe.model.dtype,
             seed=recipe.schedule.seed,
             max_num_seqs=r.max_num_seqs,
@@ -94,6 +98,16 @@ class RolloutSide:
             max_model_len=recipe.model.max_position_embeddings,
             aligned=recipe.mode == "aligned",
         )
+        if remote is not None:
+            started = remote.start(str(Path(model_dir).resolve()), **engine_kwargs)
+            print("[rz] rollout engines on the rollout nodes: " + ", ".join(
+                f"{s['node']} (host pid {s['host_pid']}, engine-core pids {s['engine_pids']}, "
+                f"started in {s['startup_s']:.1f} s)" for s in started), flush=True)
+            self.engine = remote
+        else:
+            from vllm_bridge.engine import RolloutEngine
+
+            self.engine = RolloutEngine(str(model_dir), **engine_kwargs)
 
     def encode(self, problems: list[Problem]) -> list[list[int]]:
         return [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
@@ -166,8 +180,26 @@ def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
     return base
 
 
+def connect_remote_rollout(recipe: Recipe, run_dir: Path):
+    """Rank 0's client for the job's rollout hosts (RZ_REMOTE_ROLLOUT=1), or None for a local engine."""
+    from vllm_bridge.remote import RemoteRolloutEngine, remote_rollout_requested
+
+    if not remote_rollout_requested():
+        return None
+    wait_s = float(os.environ.get("RZ_ROLLOUT_WAIT_S", "600"))
+    remote = RemoteRolloutEngine.from_run_dir(run_dir, wait_s=wait_s)
+    print(f"[rz] remote rollout: connected to {len(remote.nodes)} host(s) on {remote.nodes}", flush=True)
+    return remote
+
+
 def train(recipe: Recipe) -> dict:
     """Run the recipe; returns the final summary on rank 0 (empty dict elsewhere)."""
+    if recipe.schedule.max_lag > 0 and os.environ.get("RZ_REMOTE_ROLLOUT", "") == "1":
+        raise RecipeError(
+            "schedule.max_lag > 0 (the async trainer) cannot drive remote rollout hosts yet: it runs its "
+            "vLLM engine beside learner rank 0. Unset RZ_REMOTE_ROLLOUT (rz submit does so for async "
+            "recipes and starts the rollout hosts with --hold), or train with schedule.max_lag=0"
+        )
     if recipe.schedule.max_lag > 0:
         from megatron_rz.async_trainer import train_async
 
@@ -190,7 +222,7 @@ def train(recipe: Recipe) -> dict:
         start_step = learner.load_checkpoint(ckpt)
         if rank0:
             print(f"[rz] resumed from {ckpt} (step {start_step})", flush=True)
-    side = RolloutSide(recipe, base) if rank0 else None
+    side = RolloutSide(recipe, base, remote=connect_remote_rollout(recipe, run_dir)) if rank0 else None
     if rank0:
         dump_recipe(recipe, run_dir / "recipe.yaml")
     if start_step:

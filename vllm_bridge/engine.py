@@ -609,29 +609,38 @@ class RolloutEngine:
         ``min_checked`` tensors could be compared (a check that checks nothing is not a check).
         Returns {"checked": [...], "max_rel_err": float}.
         """
-        want = {n: t for n, t in named_tensors if is_readable_name(n)}
-        got = self.engine_checksums(sorted(want))
-        checked, bad, max_rel = [], [], 0.0
-        for name, t in want.items():
-            g = got.get(name)
-            if g is None or list(t.shape) != g["shape"]:
-                continue
-            s, ws = tensor_checksum(t.to(getattr(torch, g["dtype"])))
-            scale = float(t.detach().double().abs().sum()) + 1e-12
-            err = max(abs(s - g["sum"]), abs(ws - g["wsum"])) / scale
-            max_rel = max(max_rel, err)
-            checked.append(name)
-            if not math.isfinite(err) or err > rtol:
-                bad.append(f"{name} (rel err {err:.3g})")
-        if bad:
-            raise WeightSyncError(
-                f"engine weights differ from the learner's after sync to version {self._version}: "
-                f"{len(bad)}/{len(checked)} checked tensors mismatch: {', '.join(bad[:8])}. The "
-                "update did not reach the model (wrong names, dropped buckets, reload skipped)."
-            )
-        if len(checked) < min_checked:
-            raise WeightSyncError(
-                f"verify_sync could compare only {len(checked)} tensors (need {min_checked}); "
-                f"names given: {len(want)} readable of those passed"
-            )
-        return {"checked": checked, "max_rel_err": max_rel}
+        return check_weights(named_tensors, self.engine_checksums, self._version, rtol=rtol,
+                             min_checked=min_checked)
+
+
+def check_weights(named_tensors, checksums, version: int, *, rtol: float = 1e-6, min_checked: int = 1) -> dict:
+    """verify_sync's comparison: the learner's readable tensors against an engine's checksums.
+
+    ``checksums`` is the engine's {name: {"shape", "dtype", "sum", "wsum"}} or a function of the
+    wanted names returning it (RolloutEngine.engine_checksums; the remote client passes a dict)."""
+    want = {n: t for n, t in named_tensors if is_readable_name(n)}
+    got = checksums(sorted(want)) if callable(checksums) else checksums
+    checked, bad, max_rel = [], [], 0.0
+    for name, t in want.items():
+        g = got.get(name)
+        if g is None or list(t.shape) != g["shape"]:
+            continue
+        s, ws = tensor_checksum(t.to(getattr(torch, g["dtype"])))
+        scale = float(t.detach().double().abs().sum()) + 1e-12
+        err = max(abs(s - g["sum"]), abs(ws - g["wsum"])) / scale
+        max_rel = max(max_rel, err)
+        checked.append(name)
+        if not math.isfinite(err) or err > rtol:
+            bad.append(f"{name} (rel err {err:.3g})")
+    if bad:
+        raise WeightSyncError(
+            f"engine weights differ from the learner's after sync to version {version}: "
+            f"{len(bad)}/{len(checked)} checked tensors mismatch: {', '.join(bad[:8])}. The "
+            "update did not reach the model (wrong names, dropped buckets, reload skipped)."
+        )
+    if len(checked) < min_checked:
+        raise WeightSyncError(
+            f"verify_sync could compare only {len(checked)} tensors (need {min_checked}); "
+            f"names given: {len(want)} readable of those passed"
+        )
+    return {"checked": checked, "max_rel_err": max_rel}

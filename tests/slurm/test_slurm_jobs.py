@@ -1,7 +1,8 @@
 """`rz submit` against a real local SLURM (two slurmd, so the heterogeneous job can start).
 
 1. The tiny recipe runs as a heterogeneous job (learner on node1, rollout on node2) to completion
-   and leaves its metrics and final checkpoint.
+   and leaves its metrics and final checkpoint; its vLLM engine runs in the rollout host on node2
+   (megatron_rz.rollout_host), which serves every generate and weight update over TCP.
 2. Preemption: the warning signal (USR1 to the batch script) makes the learner checkpoint and
    exit, the job requeues itself, and the requeued job resumes from that checkpoint and finishes:
    every update appears once in metrics.jsonl, in order (continued, not restarted).
@@ -78,7 +79,8 @@ def _train_rows(run_dir: Path) -> list[dict]:
 
 
 def test_tiny_recipe_runs_as_heterogeneous_job(local_slurm, tmp_path):
-    job, run_dir, log = _submit(tmp_path, "schedule.steps=3")
+    # verify_sync on: the learner checks the remote engine's weights (checksums over the wire) every step
+    job, run_dir, log = _submit(tmp_path, "schedule.steps=3", "rollout.verify_sync=true", "rollout.verify_every=1")
     # Both components are allocated at once, on different nodes.
     _wait(lambda: _job(job).get("JobState") in ("RUNNING", "COMPLETED"), "the job to start", log, 60)
     lines = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout.splitlines()
@@ -90,8 +92,22 @@ def test_tiny_recipe_runs_as_heterogeneous_job(local_slurm, tmp_path):
     text = log.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert "learner exited with 0" in text
-    assert (run_dir / "rollout" / "node2.json").exists()  # the rollout side ran on its own node
+    # The vLLM engine ran on the rollout component: the host that node2's slurmd started
+    # (SLURMD_NODENAME=node2) built it, served every generate and took every weight update.
+    host = json.loads((run_dir / "rollout" / "node2.json").read_text())
+    assert host["node"] == "node2" and host["job"] and host["port"], host
+    eng = host["engine"]
+    assert eng and eng["host_pid"] == host["pid"] and eng["engine_pids"], host
+    assert "rollout host(s) ready" in text
+    assert f"[rz] rollout engines on the rollout nodes: node2 (host pid {host['pid']}" in text
+    assert "[rz rollout] node2: engine started" in text
+    # 3 steps x 4 prompts x 8 samples, plus the evaluations before and after (n=1)
+    assert len(re.findall(r"\[rz rollout\] node2: generate: 4 prompt\(s\) x 8 -> 32 samples", text)) == 3, text[-4000:]
+    assert len(re.findall(r"\[rz rollout\] node2: generate: 16 prompt\(s\) x 1 ", text)) == 2
+    assert re.search(r"\[rz rollout\] node2: weights: version 3,", text)
+    assert "[rz rollout] node2: done" in text
     assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3]
+    assert all(r["time_sync"] > 0 for r in _train_rows(run_dir))
     assert (run_dir / "checkpoints" / "step_000003" / "COMPLETE").exists()
     assert (run_dir / "checkpoints" / "step_000003" / "rank00000.pt").exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
