@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Architecture and sizes. `arch` picks the Hugging Face class both engines load natively."""
 
-    # deepseek_v4: sizes only (layout planner, rz submit); the learner and engine modules are issue 7.
+    # deepseek_v4: learner megatron_rz/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
     arch: Literal["qwen3_moe", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
     hidden_size: int = 64
     num_layers: int = 2
