@@ -143,13 +143,6 @@ class DeepseekV4Layer(nn.Module):
         self.attn = build_module(submodules["attention"], c, index, dtype)
         self.ffn = build_module(submodules["moe"], c, index, dtype)
 
-    def _weight(self, name: str) -> torch.Tensor:
-        if name.startswith("ffn.") and not name.startswith("ffn_norm"):
-            return R.lookup(self.ffn, name.removeprefix("ffn."))
-        if name.startswith("attn.") and not name.startswith("attn_norm"):
-            return R.lookup(self.attn, name.removeprefix("attn."))
-        return R.lookup(self, name)
-
     def forward(self, streams, input_ids, positions, seq_len: int):
         def attend(state):
             outs = []  # one sequence at a time, over its own payload rows
@@ -158,7 +151,8 @@ class DeepseekV4Layer(nn.Module):
                 outs.append(self.attn({k: v[rows] for k, v in state.items()}, positions[rows], state["payload"][rows]))
             return torch.cat(outs, dim=0)
 
-        return R.layer_forward(self.c, self._weight, self.index, streams, input_ids, positions, attend,
+        # names relative to the layer ("attn.wq_a.weight" lives in the attention submodule)
+        return R.layer_forward(self.c, lambda n: R.lookup(self, n), self.index, streams, input_ids, positions, attend,
                                moe=lambda x: self.ffn(x, input_ids))
 
 
