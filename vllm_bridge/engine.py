@@ -112,8 +112,16 @@ ALIGNED_CLASSES = {
 }
 
 
+def _config(model_dir: str) -> dict:
+    """The checkpoint's config.json ({} when unreadable: vLLM then reports the real problem)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except Exception:
+        return {}
+
+
 def _aligned_architecture(model_dir: str) -> str:
-    archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    archs = _config(model_dir).get("architectures") or []
     for a in archs:
         if a in ALIGNED_CLASSES:
             return ALIGNED_CLASSES[a]
@@ -123,28 +131,14 @@ def _aligned_architecture(model_dir: str) -> str:
     )
 
 
-def _model_type(model_dir: str) -> str | None:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    except Exception:
-        return None
-
-
 def _is_mla_config(model_dir: str) -> bool:
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except Exception:
-        return False
+    cfg = _config(model_dir)
     return bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3")
 
 
-def _is_stock_deepseek_v4(model_dir: str) -> bool:
-    """The checkpoint's architecture is DeepseekV4ForCausalLM (vLLM's own class serves it)."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except Exception:
-        return False
-    return "DeepseekV4ForCausalLM" in (cfg.get("architectures") or [])
+def _is_deepseek_v4(model_dir: str) -> bool:
+    """The checkpoint's architecture is DeepseekV4ForCausalLM (vLLM's own class, or ours aligned)."""
+    return "DeepseekV4ForCausalLM" in (_config(model_dir).get("architectures") or [])
 
 
 def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -267,7 +261,7 @@ class RolloutEngine:
         if aligned:
             # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
-            if self.is_mla or _model_type(self.model_dir) == "deepseek_v4":
+            if self.is_mla or _is_deepseek_v4(self.model_dir):
                 # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.
                 env["VLLM_MLA_DISABLE"] = "1"
@@ -280,7 +274,7 @@ class RolloutEngine:
                 # weight prepack only accepts bf16/fp16 ("expect weight to be bfloat16, ...") and
                 # start-up fails for fp32 models: ask for the reference CPU_MLA backend.
                 kwargs["attention_backend"] = "CPU_MLA"
-        self.is_stock_deepseek_v4 = not aligned and _is_stock_deepseek_v4(self.model_dir)
+        self.is_stock_deepseek_v4 = not aligned and _is_deepseek_v4(self.model_dir)
         if self.is_stock_deepseek_v4:
             from vllm.platforms import current_platform
 
