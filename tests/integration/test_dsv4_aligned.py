@@ -57,7 +57,9 @@ def test_functions_match_transformers_and_decode_equals_prefill(tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
     cfg, m = _hf_model()
-    sd = R.original_state_dict(m.state_dict())
+    from megatron_rz.tiny_models import deepseek_v4_original_state_dict
+
+    sd = deepseek_v4_original_state_dict(m)
     ids = torch.randint(0, 96, (2, 150))
     with torch.no_grad():
         ref = m(ids).logits.float()

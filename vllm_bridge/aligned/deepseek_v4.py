@@ -19,19 +19,18 @@ GEMM); the cache holds all tokens, not only the sliding window.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 import kernels
 
 from . import dsv4_reference as R
-from ._model import _LogitsScale
+from ._model import RZAlignedForCausalLM, _LogitsScale
 from .attention_backend import RZAlignedAttentionBackend
 
 
@@ -115,13 +114,5 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
             logits = logits * self.logits_processor.scale
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, w in weights:
-            p = params.get(name)
-            if p is None:  # MTP layers (mtp.*), rotary buffers
-                continue
-            getattr(p, "weight_loader", default_weight_loader)(p, w)
-            loaded.add(name)
-        return loaded
+    # Name-for-name load through each parameter's weight_loader, as the other aligned classes.
+    load_weights = RZAlignedForCausalLM.load_weights

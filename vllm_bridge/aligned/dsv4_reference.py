@@ -9,8 +9,8 @@ a ``kernels`` op, so a token's bits do not depend on batching or on prefill vs d
 
 Weights are addressed by the ORIGINAL DeepSeek checkpoint names (``embed.weight``,
 ``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{e}.w1.weight`` ...): what the checkpoint
-on disk holds, what vLLM loads and what transformers renames on load (:func:`original_name` maps
-transformers' parameter names back).
+on disk holds, what vLLM loads and what transformers renames on load
+(``megatron_rz.tiny_models.deepseek_v4_original_state_dict`` writes a transformers model under them).
 
 The attention is split at the one point where the learner and the rollout engine differ:
 :func:`token_state` turns a token's layer input into its query parts and its *payload* (the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -175,71 +174,8 @@ def _v4_config_of_dir(path: str, mtime: float) -> V4Config:  # mtime: a rewritte
 
 
 # --------------------------------------------------------------------------------------------------
-# Names
+# Weights by name
 # --------------------------------------------------------------------------------------------------
-
-# transformers parameter name -> original DeepSeek name (the inverse of transformers' load-time
-# renaming for deepseek_v4; experts are per-expert w1/w2/w3 on disk, stacked in transformers).
-_TO_ORIGINAL = [
-    (r"^model\.embed_tokens\.", "embed."),
-    (r"^lm_head\.", "head."),
-    (r"^model\.norm\.", "norm."),
-    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
-    (r"^model\.layers\.", "layers."),
-    (r"\.input_layernorm\.", ".attn_norm."),
-    (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
-    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
-    (r"\.self_attn\.sinks$", ".attn.attn_sink"),
-    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
-    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
-    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
-    (r"\.self_attn\.", ".attn."),
-    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
-    (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
-    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
-    (r"\.compressor\.position_bias$", ".compressor.ape"),
-    (r"\.attn\.q_a_proj\.", ".attn.wq_a."),
-    (r"\.attn\.q_a_norm\.", ".attn.q_norm."),
-    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
-    (r"\.attn\.kv_proj\.", ".attn.wkv."),
-    (r"\.attn\.o_a_proj\.", ".attn.wo_a."),
-    (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
-    (r"\.mlp\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
-    (r"\.mlp\.shared_experts\.gate_proj\.", ".ffn.shared_experts.w1."),
-    (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
-    (r"\.mlp\.shared_experts\.up_proj\.", ".ffn.shared_experts.w3."),
-    (r"\.mlp\.", ".ffn."),
-]
-
-
-def original_name(hf_name: str) -> str:
-    """transformers ``DeepseekV4ForCausalLM`` parameter name -> original checkpoint name (stacked
-    expert tensors are split by :func:`original_state_dict`)."""
-    n = hf_name
-    for pat, rep in _TO_ORIGINAL:
-        n = re.sub(pat, rep, n)
-    return n
-
-
-def original_state_dict(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers state dict in the original DeepSeek layout (per-expert w1/w3/w2)."""
-    out: dict[str, torch.Tensor] = {}
-    for k, v in hf_state.items():
-        m = re.match(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$", k)
-        if m:
-            pre = original_name(m.group(1) + ".mlp.x").rsplit(".x", 1)[0]
-            for e in range(v.shape[0]):
-                if m.group(2) == "gate_up_proj":
-                    i = v.shape[1] // 2
-                    out[f"{pre}.experts.{e}.w1.weight"] = v[e, :i].clone()
-                    out[f"{pre}.experts.{e}.w3.weight"] = v[e, i:].clone()
-                else:
-                    out[f"{pre}.experts.{e}.w2.weight"] = v[e].clone()
-            continue
-        out[original_name(k)] = v.detach().clone()
-    return out
-
 
 def parameter_shapes(c: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every weight by original name -> (shape, kind); kind "model" (the model dtype), "fp32"
