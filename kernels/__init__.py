@@ -36,6 +36,7 @@ _EXPORTS = {
     "quantize_act_groupwise": "dispatch",
     "fp8_gemm": "dispatch",
     "fp8_linear": "dispatch",
+    "fake_quant_linear": "dispatch",
     "set_backend": "dispatch",
     # device-agnostic (plain torch, exact per element on any device)
     "sum_partials": "gemm",

@@ -42,7 +42,7 @@ __all__ = [
     "linear", "linear_partial", "rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "token_logprobs",
-    "quantize_act_groupwise", "fp8_gemm", "fp8_linear",
+    "quantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
 ]
 
 _BACKEND = os.environ.get("RZ_KERNELS", "auto")
@@ -369,9 +369,17 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     if not (use_triton(x) and x.dtype in _GPU_DTYPES):
-        return _fp8.fp8_linear(x, wq, ws, bias, out_dtype=out_dtype)
+        return _fp8.fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)
     from .triton.fp8 import fp8_linear as tl8
 
-    return tl8(x, wq, ws, bias, out_dtype=out_dtype)
+    return tl8(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)
+
+
+def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Fake-quant FP8 linear (learner): the master weight quantised per 128x128 block now (the same
+    bits on every device), then :func:`fp8_linear`; straight-through gradients to x and the weight."""
+    wq, ws = _fp8.quantize_weight_blockwise(weight)
+    return fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)

@@ -54,7 +54,7 @@ from .gemm import _partial_fp32
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "BLOCK", "ACT_EPS",
     "quantize_weight_blockwise", "quantize_act_groupwise", "dequantize_weight_blockwise",
-    "dequantize_act_groupwise", "fp8_gemm", "fp8_linear",
+    "dequantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -135,21 +135,44 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x[..., K]`` -> quantise per 1x128 group -> block-scaled GEMM with ``(wq, ws)`` -> ``[..., N]``.
 
     Row invariant. Differentiable w.r.t. ``x`` (and ``bias``): straight-through, i.e. the gradient of
-    ``F.linear(x, dequantize(wq, ws))``."""
+    ``F.linear(x, dequantize(wq, ws))``. ``weight``: the high-precision master weight ``(wq, ws)``
+    was quantised from (fake-quant training); it does not enter the forward (same bits with or
+    without it) and receives the straight-through gradient ``grad_out^T @ x``, as if the linear had
+    used the dequantised weight."""
     K = x.shape[-1]
     N = wq.shape[0]
     odt = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.float32)
 
-    def fwd(x_, b_):
+    def fwd(x_, b_, w_=None):
         xq, xs = quantize_act_groupwise(x_.reshape(-1, K))
         return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt).reshape(*x_.shape[:-1], N)
 
-    def ref(x_, b_):
+    return with_reference_grad(fwd, _ste_reference(wq, ws, odt), x, bias, weight)
+
+
+def _ste_reference(wq: torch.Tensor, ws: torch.Tensor, odt: torch.dtype):
+    """The plain-torch function whose autograd is fp8_linear's backward (straight-through): the linear
+    with the dequantised weight; a master weight ``w_`` enters as ``deq + (w_ - w_.detach())``, which
+    adds nothing to the value and gives ``w_`` the gradient the dequantised weight would get."""
+
+    def ref(x_, b_, w_=None):
         w = dequantize_weight_blockwise(wq, ws)
+        if w_ is not None:
+            w32 = w_.to(torch.float32)
+            w = w + (w32 - w32.detach())
         return F.linear(x_.to(torch.float32), w, None if b_ is None else b_.to(torch.float32)).to(odt)
 
-    return with_reference_grad(fwd, ref, x, bias)
+    return ref
+
+
+def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Learner side of blockwise FP8 (fake quantisation): quantise the master ``weight[N, K]`` per
+    128x128 block now, then :func:`fp8_linear` -- bitwise what an engine computes from the same
+    weight quantised once at load. Straight-through gradients to ``x``, ``bias`` and ``weight``."""
+    wq, ws = quantize_weight_blockwise(weight)
+    return fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)

@@ -24,6 +24,26 @@ TP=1 vLLM engine just calls `linear(..., k_segments=2)`. Routed experts are not 
 (etp = 1) but use the same rule, so the rule is "every o_proj/down_proj" (and etp=2 would also work).
 The K dims (heads * v_head_dim, intermediate sizes) must be even. To support TP=4 later, s = 4.
 
+Blockwise FP8 (recipe model.fp8=blockwise): the linears a DeepSeek-V3 / vLLM block-FP8 checkpoint
+keeps in e4m3 (attention projections; dense, shared and routed expert gate/up/down) compute
+`kernels.fake_quant_linear(x, master_weight)`: the master weight (model dtype, what the optimizer
+updates) is quantised per 128x128 block at every forward, the activation per 1x128 group, then the
+block-scaled GEMM -- bitwise what the engine computes from the same weights quantised once at load
+(`vllm_bridge.aligned.reference.project`). Gradients: straight-through to x and to the master weight.
+Block scales follow the Hugging Face tensors, not Megatron's fused ones: the fused QKV weight is
+quantised as its q / k / v parts and fc1 as its gate and up halves (a 128-row block must not straddle
+two checkpoint tensors), and the outputs are put back in Megatron's layout (an exact permutation).
+Router gate, lm_head, embeddings and norms stay in the model dtype. TP must be 1 (see
+check_aligned_supported).
+
+Why not nvidia-modelopt's fake quantisation (0.47 has FP8 configs incl. 128x128 blockwise weights):
+its quantiser is not ours bit for bit -- scale = 448 / amax and q = x * scale (a reciprocal multiply;
+we divide by amax / 448, as DeepSeek / vLLM), dequantised as q * (1 / scale), zero blocks handled with
+its own epsilon -- and it returns a dequantised tensor for a plain GEMM, not the FP8 GEMM with
+per-block scale products added in K order that the engine runs; dynamic 1x128 activation quant needs
+CUDA there. A fake quant that must equal the engine bitwise has to share the engine's quantiser
+and GEMM, so both sides call `kernels` (measured: tests/integration/test_fp8_models.py).
+
 Other collectives are exact by construction: sequence-parallel all-gathers, the vocab-parallel
 embedding's reduce (one non-zero term per element), the vocab gather of the logits, and the MoE
 expert-output return (each (token, slot) is non-zero on exactly one rank of the tp-ep group, so the
@@ -152,7 +172,70 @@ def _make_linear_classes():
                 out = row_parallel_linear(input_, self.weight, self.tp_group, self.sequence_parallel)
             return out, (self.bias if self.skip_bias_add else None)
 
+    class AlignedFP8ColumnParallelLinear(AlignedColumnParallelLinear):
+        """Blockwise-FP8 fake-quant column linear (TP=1). Megatron names the fused layers it builds
+        (`tp_comm_buffer_name`): "qkv" is quantised as q / k / v, "fc1" as gate / up."""
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.rz_fp8_role = {"qkv": "qkv", "fc1": "gated"}.get(kw.get("tp_comm_buffer_name"), "plain")
+
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            if self.tp_group is not None and self.tp_group.size() > 1:
+                raise NotImplementedError("model.fp8=blockwise needs parallel.tp=1")
+            bias = self.bias if not self.skip_bias_add else None
+            out = fp8_fused_linear(self, input_, self.weight if weight is None else weight, bias)
+            return out, (self.bias if self.skip_bias_add else None)
+
+    class AlignedFP8RowParallelLinear(AlignedRowParallelLinear):
+        """Blockwise-FP8 fake-quant row linear (TP=1; the FP8 GEMM adds its 128-K blocks in order)."""
+
+        def forward(self, input_):
+            if self.tp_group is not None and self.tp_group.size() > 1 and not self.explicit_expert_comm:
+                raise NotImplementedError("model.fp8=blockwise needs parallel.tp=1")
+            bias = self.bias if not self.skip_bias_add else None
+            out = kernels.fake_quant_linear(input_, self.weight, bias, out_dtype=input_.dtype)
+            return out, (self.bias if self.skip_bias_add else None)
+
+    _FP8_LINEARS.update(col=AlignedFP8ColumnParallelLinear, row=AlignedFP8RowParallelLinear)
     return AlignedColumnParallelLinear, AlignedRowParallelLinear
+
+
+# ------------------------------------------------------------------ blockwise FP8 (fake quant)
+
+_FP8_LINEARS: dict = {}
+
+
+def fp8_fused_linear(mod, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """Fake-quant FP8 linear of a possibly fused Megatron weight, quantised per checkpoint tensor
+    (`mod.rz_fp8_role`): "plain" one tensor; "gated" [gate; up] halves; "qkv" Megatron's grouped
+    [q heads of g; k_g; v_g] rows split into HF q / k / v. Output in Megatron's column order."""
+    role = getattr(mod, "rz_fp8_role", "plain")
+    fq = lambda w, b=None: kernels.fake_quant_linear(x, w, b, out_dtype=x.dtype)  # noqa: E731
+    if role == "plain":
+        return fq(weight, bias)
+    if bias is not None:
+        raise NotImplementedError("fp8: fused linear with bias")
+    if role == "gated":
+        i = weight.shape[0] // 2
+        return torch.cat([fq(weight[:i]), fq(weight[i:])], dim=-1)
+    cfg = mod.config
+    ng, hn = cfg.num_query_groups, cfg.kv_channels
+    per = cfg.num_attention_heads // ng
+    H = weight.shape[-1]
+    q, k, v = weight.view(ng, (per + 2) * hn, H).split([per * hn, hn, hn], dim=1)
+    lead = x.shape[:-1]
+    parts = [fq(q.reshape(-1, H)).view(*lead, ng, per * hn), fq(k.reshape(-1, H)).view(*lead, ng, hn),
+             fq(v.reshape(-1, H)).view(*lead, ng, hn)]
+    return torch.cat(parts, dim=-1).reshape(*lead, ng * (per + 2) * hn)
+
+
+def _fp8_expert_forward(x: torch.Tensor, w_fc1: torch.Tensor, w_fc2: torch.Tensor) -> torch.Tensor:
+    """`expert_forward` with blockwise FP8: gate and up quantised as the checkpoint's two tensors."""
+    i = w_fc1.shape[0] // 2
+    g = kernels.fake_quant_linear(x, w_fc1[:i], out_dtype=x.dtype)
+    u = kernels.fake_quant_linear(x, w_fc1[i:], out_dtype=x.dtype)
+    return kernels.fake_quant_linear(kernels.swiglu(g, u), w_fc2, out_dtype=x.dtype)
 
 
 def _make_replicated_linear():
@@ -164,6 +247,15 @@ def _make_replicated_linear():
         def forward(self, input, /):  # noqa: A002
             return kernels.linear(input, self.weight, self.bias), None
 
+    class AlignedFP8ReplicatedLinear(ReplicatedLinear):
+        """TP-replicated linear (MLA kv down-projection) in blockwise FP8 (fake quant)."""
+
+        rz_fp8_role = "plain"
+
+        def forward(self, input, /):  # noqa: A002
+            return kernels.fake_quant_linear(input, self.weight, self.bias, out_dtype=input.dtype), None
+
+    _FP8_LINEARS["replicated"] = AlignedFP8ReplicatedLinear
     return AlignedReplicatedLinear
 
 
@@ -330,8 +422,9 @@ def _make_mlp_classes():
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                      router_score: str = "softmax", norm_topk_prob: bool = True, num_groups: int = 1,
-                     group_topk: Optional[int] = None, scaling_factor: float = 1.0, **kw):
+                     group_topk: Optional[int] = None, scaling_factor: float = 1.0, fp8: bool = False, **kw):
             super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection, **kw)
+            self.rz_fp8 = fp8
             self.aligned_route = dict(score=router_score, norm_topk_prob=norm_topk_prob,
                                       num_groups=num_groups, group_topk=group_topk,
                                       scaling_factor=scaling_factor)
@@ -374,7 +467,8 @@ def _make_mlp_classes():
                 sel = (flat == e).nonzero().squeeze(1)
                 tok = torch.div(sel, k, rounding_mode="floor")
                 ex = self.experts.local_experts[li]
-                y = y.index_copy(0, sel, expert_forward(x_all[tok], ex.linear_fc1.weight, ex.linear_fc2.weight))
+                fwd = _fp8_expert_forward if self.rz_fp8 else expert_forward
+                y = y.index_copy(0, sel, fwd(x_all[tok], ex.linear_fc1.weight, ex.linear_fc2.weight))
             if G > 1:  # each (token, slot) is non-zero on exactly one rank: the sum is exact
                 y = reduce_scatter_to_sequence_parallel_region(y, group=group)
             shared = None
@@ -454,6 +548,12 @@ def aligned_layer_spec(spec, model_cfg, norm_cls, core_cls):
 
     m = model_cfg
     table = _classes()
+    if getattr(m, "fp8", "none") == "blockwise":
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        table = dict(table)
+        table[ColumnParallelLinear] = _FP8_LINEARS["col"]
+        table[RowParallelLinear] = _FP8_LINEARS["row"]
     spec = copy.deepcopy(spec)  # never mutate specs megatron might share between calls
     _rewrite(spec, table, norm_cls, core_cls)
     attn = spec.submodules.self_attention.submodules
@@ -469,6 +569,7 @@ def aligned_layer_spec(spec, model_cfg, norm_cls, core_cls):
             num_groups=m.router_num_groups,
             group_topk=m.router_group_topk if m.router_num_groups > 1 else None,
             scaling_factor=m.routed_scaling_factor if m.router_score == "sigmoid" else 1.0,
+            fp8=getattr(m, "fp8", "none") == "blockwise",
         )
     return spec
 
@@ -488,11 +589,19 @@ def alignify_model(model, norm_cls, core_cls) -> None:
     table = _classes()
     swappable = {k: v for k, v in table.items() if k.__name__ in ("ColumnParallelLinear", "RowParallelLinear", "Linear")}
     out_layer = getattr(model, "output_layer", None)
+    # model.fp8=blockwise (the spec built FP8 linears): MLA's down projections, kept out of the spec,
+    # become FP8 too; the output layer (lm_head) stays in the model dtype.
+    fp8 = any(hasattr(mod, "rz_fp8_role") for mod in model.modules())
+    fp8_swap = {k: _FP8_LINEARS["col" if k.__name__ == "ColumnParallelLinear" else "replicated"]
+                for k in swappable if k.__name__ in ("ColumnParallelLinear", "Linear")} if fp8 else {}
     for name, mod in model.named_modules():
         if ".experts.local_experts." in name + ".":
             continue  # routed experts are computed by AlignedMoELayer from their weights
         cls = type(mod)
-        if cls in swappable:
+        if cls in fp8_swap and mod is not out_layer and name.endswith(_KEEP_IN_SPEC):
+            mod.__class__ = fp8_swap[cls]
+            mod.rz_fp8_role = "plain"
+        elif cls in swappable:
             mod.__class__ = swappable[cls]
         elif cls in table or cls in (norm_cls, core_cls):
             raise AssertionError(f"aligned model: module {name} still has fast-mode class {cls.__name__}")
@@ -514,6 +623,15 @@ def check_aligned_supported(model_cfg, parallel) -> None:
             f"aligned mode: parallel.tp={p.tp} must divide ROW_PARALLEL_K_SEGMENTS={ROW_PARALLEL_K_SEGMENTS}")
     if p.pp != 1:
         raise NotImplementedError("aligned mode: pipeline parallelism is not supported")
+    if getattr(m, "fp8", "none") != "none" and p.tp != 1:
+        raise NotImplementedError(
+            f"model.fp8={m.fp8} needs parallel.tp=1 (got tp={p.tp}). The FP8 GEMM adds its 128-wide K "
+            "blocks one after another into one fp32 accumulator (acc = acc + d_kb * scale_kb, as the "
+            "engine's kernel does), so a row-parallel o_proj / down_proj cannot be cut into per-rank "
+            "partials that add up to the same bits; and column shards of fused QKV / gate_up would "
+            "have to fall on 128-row block boundaries of each checkpoint tensor. Use parallel.tp=1 "
+            "and scale the learner with parallel.dp and parallel.ep (expert parallel is supported), "
+            "or set model.fp8=none.")
     ks = [m.moe_ffn_hidden_size, m.dense_ffn_hidden_size]
     ks.append(m.num_attention_heads * (m.v_head_dim if m.arch == "deepseek_v3" else m.head_dim))
     if m.num_shared_experts:

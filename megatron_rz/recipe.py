@@ -77,6 +77,13 @@ class ModelConfig(_Strict):
     index_topk: int = 512  # compressed entries each query keeps in compressed sparse layers (vLLM-CPU: 512)
     compress_rope_theta: float = 160000.0  # RoPE base of the compressed (ratio > 1) layers
     swiglu_limit: float = 10.0  # routed experts clamp their gate/up pre-activations to this
+    # Blockwise FP8 (DeepSeek-V3 / vLLM block quantisation) inside the models, aligned mode: every
+    # attention projection and dense / shared / routed expert linear runs as an e4m3 GEMM with
+    # 128x128 weight scales and per-token 1x128 activation scales (kernels/fp8.py); router gate,
+    # lm_head, embeddings and norms stay in model.dtype. The learner fake-quantises its master
+    # weights each forward (straight-through gradients); the engine quantises them once per weight
+    # sync. Needs parallel.tp=1 (checked when the aligned learner is built, see aligned_spec).
+    fp8: Literal["none", "blockwise"] = "none"
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -110,6 +117,11 @@ class ModelConfig(_Strict):
             raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
         if self.arch == "deepseek_v4" and not 0 <= self.num_hash_layers <= self.num_layers:
             raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
+        if self.fp8 != "none" and self.arch == "deepseek_v4":
+            raise ValueError(
+                "model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the aligned V4 path has no "
+                "FP8 linears yet); set model.fp8=none for deepseek_v4"
+            )
         if self.first_k_dense >= self.num_layers:
             raise ValueError("model.first_k_dense must leave at least one MoE layer (< num_layers)")
         return self

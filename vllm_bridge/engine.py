@@ -231,6 +231,7 @@ class RolloutEngine:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         rpc_timeout_s: float | None = 600.0,
         aligned: bool = False,
+        fp8: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.model_dir = str(model_dir)
@@ -258,9 +259,22 @@ class RolloutEngine:
         )
         env: dict[str, str] = {}
         self.aligned = aligned
+        # Blockwise FP8 inside the model (recipe model.fp8): this argument, else the checkpoint's
+        # config.json key "rz_fp8" (vllm_bridge.aligned.reference.FP8_CONFIG_KEY), else none.
+        self.fp8 = str(fp8 if fp8 is not None else _config(self.model_dir).get("rz_fp8", "none"))
+        if self.fp8 not in ("none", "blockwise"):
+            raise RolloutEngineError(f"fp8={self.fp8!r}: expected 'none' or 'blockwise'")
+        if self.fp8 != "none" and (not aligned or _is_deepseek_v4(self.model_dir)):
+            raise RolloutEngineError(
+                "fp8=blockwise runs in the aligned Qwen3-MoE / DeepSeek-V3 model classes only (the "
+                "stock vLLM classes and the aligned V4 class have no matching FP8 linears): use "
+                "mode=aligned with arch qwen3_moe or deepseek_v3, or model.fp8=none"
+            )
         if aligned:
             # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
+            if fp8 is not None:
+                kwargs["hf_overrides"]["rz_fp8"] = self.fp8
             if self.is_mla or _is_deepseek_v4(self.model_dir):
                 # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.

@@ -226,22 +226,20 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None, config: Optional[Fp8Config] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, config: Optional[Fp8Config] = None,
+               weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantise ``x[..., K]`` per 1x128 group, then :func:`fp8_gemm`. Gradient: straight-through
-    (``F.linear`` with the dequantised weight), as the CPU reference."""
+    (``F.linear`` with the dequantised weight; ``weight``, the master weight, gets its gradient too),
+    as the CPU reference."""
     from .._common import with_reference_grad
-    from ..fp8 import dequantize_weight_blockwise
+    from ..fp8 import _ste_reference
 
     K = x.shape[-1]
     N = wq.shape[0]
     odt = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.float32)
 
-    def fwd(x_, b_):
+    def fwd(x_, b_, w_=None):
         xq, xs = quantize_act_groupwise(x_.reshape(-1, K))
         return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt, config=config).reshape(*x_.shape[:-1], N)
 
-    def ref(x_, b_):
-        w = dequantize_weight_blockwise(wq, ws)
-        return torch.nn.functional.linear(x_.float(), w, None if b_ is None else b_.float()).to(odt)
-
-    return with_reference_grad(fwd, ref, x, bias)
+    return with_reference_grad(fwd, _ste_reference(wq, ws, odt), x, bias, weight)

@@ -98,6 +98,11 @@ class RZAlignedForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = _Params(dtype, weight=(c.vocab_size, H))
         self.logits_processor = _LogitsScale(c.vocab_size)
+        # Blockwise FP8 (config key reference.FP8_CONFIG_KEY, e.g. hf_overrides={"rz_fp8": "blockwise"}):
+        # the parameters stay the checkpoint's high-precision weights (what a weight sync writes and
+        # reads back); their e4m3 copies + 128x128 scales live here, off the module tree (vLLM's
+        # layerwise reload rebuilds registered buffers), quantised once per load / in-place update.
+        self.rz_fp8 = ref.FP8WeightCache() if c.fp8 == "blockwise" else None
 
     # ---- per-architecture ------------------------------------------------------------------------
     def _build_attention(self, i: int, dtype, prefix: str) -> nn.Module:
@@ -135,8 +140,9 @@ class RZAlignedForCausalLM(nn.Module):
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         cos, sin = ref.rope_tables(c, positions)
         for i, layer in enumerate(self.model.layers):
+            w = layer.get_parameter if self.rz_fp8 is None else self.rz_fp8.getter(layer.get_parameter, f"{i}.")
             h = ref.layer_forward(
-                c, layer.get_parameter, i, h, cos, sin, lambda q, k, v, layer=layer: self._attend(layer, q, k, v)
+                c, w, i, h, cos, sin, lambda q, k, v, layer=layer: self._attend(layer, q, k, v)
             )
         return ref.final_norm(c, self.model.norm.weight, h)
 
@@ -161,4 +167,6 @@ class RZAlignedForCausalLM(nn.Module):
             loader = getattr(p, "weight_loader", default_weight_loader)
             loader(p, w)
             loaded.add(name)
+        if self.rz_fp8 is not None:
+            self.rz_fp8.clear()  # re-quantise from the new weights at the next forward
         return loaded

@@ -56,7 +56,17 @@ __all__ = [
     "dense_mlp",
     "final_logits",
     "layer_forward",
+    "FP8_CONFIG_KEY",
+    "FP8_SUFFIX",
+    "FP8WeightCache",
+    "project",
 ]
+
+# Blockwise FP8 (aligned mode): the checkpoint config key (or hf_overrides entry) that switches it
+# on, and the getter suffix under which per-layer functions ask for a projection's quantised
+# weight: ``w("self_attn.q_proj.weight" + FP8_SUFFIX) -> (wq e4m3 [N, K], ws fp32 [N/128, K/128])``.
+FP8_CONFIG_KEY = "rz_fp8"
+FP8_SUFFIX = "#fp8"
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -107,6 +117,9 @@ class ArchConfig:
     routed_scaling_factor: float = 1.0
     score: str = "softmax"
     has_expert_bias: bool = False
+    # "blockwise": every attention projection and dense / shared / routed expert linear is a
+    # blockwise FP8 GEMM (kernels.fp8_linear); router gate, lm_head, embeddings and norms are not.
+    fp8: str = "none"
 
     @property
     def qk_head_dim(self) -> int:
@@ -148,6 +161,13 @@ def _rope(cfg: Any) -> float:
     return float(_get(cfg, "rope_theta", default=10000.0))
 
 
+def _fp8_mode(config: Any) -> str:
+    mode = str(_get(config, FP8_CONFIG_KEY, default="none"))
+    if mode not in ("none", "blockwise"):
+        raise ValueError(f"{FP8_CONFIG_KEY}={mode!r}: expected 'none' or 'blockwise'")
+    return mode
+
+
 def arch_config(config: Any) -> ArchConfig:
     """ArchConfig from a transformers PretrainedConfig, a dict (config.json) or a checkpoint dir."""
     if isinstance(config, ArchConfig):
@@ -174,6 +194,7 @@ def arch_config(config: Any) -> ArchConfig:
         rms_norm_eps=float(_get(config, "rms_norm_eps", default=1e-6)),
         rope_theta=_rope(config),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        fp8=_fp8_mode(config),
         intermediate_size=int(_get(config, "intermediate_size", default=0)),
         moe_intermediate_size=int(_get(config, "moe_intermediate_size", default=0)),
         top_k=int(_get(config, "num_experts_per_tok", default=0)),
@@ -226,6 +247,50 @@ def arch_config(config: Any) -> ArchConfig:
 # --------------------------------------------------------------------------------------------------
 
 
+class FP8WeightCache:
+    """Blockwise-quantised weights keyed by name, recomputed only when the weight changes (new
+    storage, or an in-place write: a weight sync's ``copy_`` bumps the tensor's version counter).
+    The engine therefore quantises each weight once per load / in-place update, not every step."""
+
+    def __init__(self) -> None:
+        self._d: dict = {}
+
+    def get(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stamp = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
+        hit = self._d.get(name)
+        if hit is None or hit[0] != stamp:
+            with torch.no_grad():
+                hit = (stamp, kernels.quantize_weight_blockwise(w.detach()))
+            self._d[name] = hit
+        return hit[1]
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def getter(self, w: Getter, prefix: str = "") -> Getter:
+        """``w`` extended with ``name + FP8_SUFFIX`` -> the cached ``(wq, ws)`` of ``w(name)``."""
+
+        def get(name: str):
+            if name.endswith(FP8_SUFFIX):
+                base = name[: -len(FP8_SUFFIX)]
+                return self.get(prefix + base, w(base))
+            return w(name)
+
+        return get
+
+
+def project(c: ArchConfig, w: Getter, x: torch.Tensor, name: str, *, k_segments: int = 1) -> torch.Tensor:
+    """``x @ w(name).T`` rounded to ``x.dtype``: one of the projections a block-FP8 checkpoint keeps in
+    FP8 (attention projections, dense / shared / routed expert linears). ``c.fp8 == "blockwise"``:
+    ``kernels.fp8_linear`` with the quantised weight ``w(name + FP8_SUFFIX)`` (activations quantised
+    per 1x128 group inside; its 128-K blocks are added in order, so ``k_segments`` does not apply);
+    otherwise ``kernels.linear(..., k_segments)``."""
+    if c.fp8 == "blockwise":
+        wq, ws = w(name + FP8_SUFFIX)
+        return kernels.fp8_linear(x, wq, ws, out_dtype=x.dtype)
+    return kernels.linear(x, w(name), k_segments=k_segments)
+
+
 def rope_tables(c: ArchConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
     return kernels.rope_cos_sin(positions, rot, c.rope_theta)
@@ -236,9 +301,9 @@ def qwen3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin:
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (q/k normed per head, then neox RoPE)."""
     T = x.shape[0]
     D = c.head_dim
-    q = kernels.linear(x, w("self_attn.q_proj.weight")).view(T, c.num_heads, D)
-    k = kernels.linear(x, w("self_attn.k_proj.weight")).view(T, c.num_kv_heads, D)
-    v = kernels.linear(x, w("self_attn.v_proj.weight")).view(T, c.num_kv_heads, D)
+    q = project(c, w, x, "self_attn.q_proj.weight").view(T, c.num_heads, D)
+    k = project(c, w, x, "self_attn.k_proj.weight").view(T, c.num_kv_heads, D)
+    v = project(c, w, x, "self_attn.v_proj.weight").view(T, c.num_kv_heads, D)
     q = kernels.rms_norm(q, w("self_attn.q_norm.weight"), c.rms_norm_eps)
     k = kernels.rms_norm(k, w("self_attn.k_norm.weight"), c.rms_norm_eps)
     q = kernels.apply_rope(q, cos, sin, "neox")
@@ -257,17 +322,17 @@ def dsv3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: 
     H = c.num_heads
     nope, rope, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     if c.q_lora_rank is None:
-        q = kernels.linear(x, w("self_attn.q_proj.weight"))
+        q = project(c, w, x, "self_attn.q_proj.weight")
     else:
-        qa = kernels.linear(x, w("self_attn.q_a_proj.weight"))
+        qa = project(c, w, x, "self_attn.q_a_proj.weight")
         qa = kernels.rms_norm(qa, w("self_attn.q_a_layernorm.weight"), c.rms_norm_eps)
-        q = kernels.linear(qa, w("self_attn.q_b_proj.weight"))
+        q = project(c, w, qa, "self_attn.q_b_proj.weight")
     q = q.view(T, H, nope + rope)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
-    ckv = kernels.linear(x, w("self_attn.kv_a_proj_with_mqa.weight"))
+    ckv = project(c, w, x, "self_attn.kv_a_proj_with_mqa.weight")
     latent, k_pe = ckv[:, : c.kv_lora_rank], ckv[:, c.kv_lora_rank :]
     latent = kernels.rms_norm(latent, w("self_attn.kv_a_layernorm.weight"), c.rms_norm_eps)
-    kv = kernels.linear(latent, w("self_attn.kv_b_proj.weight")).view(T, H, nope + dv)
+    kv = project(c, w, latent, "self_attn.kv_b_proj.weight").view(T, H, nope + dv)
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k_pe = k_pe.view(T, 1, rope)
     if c.rope_interleave:
@@ -282,11 +347,15 @@ def dsv3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: 
 def attn_output(c: ArchConfig, w: Getter, o: torch.Tensor) -> torch.Tensor:
     """o [T, Hq, Dv] -> o_proj -> [T, H]."""
     # o_proj is row-parallel under TP: fixed K segmentation shared with the learner.
-    return kernels.linear(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"),
-                          k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+    return project(c, w, o.reshape(o.shape[0], -1), "self_attn.o_proj.weight",
+                   k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
 
 
-def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.") -> torch.Tensor:
+def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.", c: Optional[ArchConfig] = None) -> torch.Tensor:
+    if c is not None and c.fp8 == "blockwise":  # the same SwiGLU with the three linears in FP8
+        g = project(c, w, x, prefix + "gate_proj.weight")
+        u = project(c, w, x, prefix + "up_proj.weight")
+        return project(c, w, kernels.swiglu(g, u), prefix + "down_proj.weight")
     return kernels.expert_mlp(
         x, w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight"), w(prefix + "down_proj.weight")
     )
@@ -301,7 +370,7 @@ def _routed_experts(c: ArchConfig, w: Getter, x: torch.Tensor, ids: torch.Tensor
     for e in torch.unique(flat).tolist():
         sel = (flat == e).nonzero().squeeze(1)
         tok = torch.div(sel, k, rounding_mode="floor")
-        y[sel] = dense_mlp(w, x[tok], f"mlp.experts.{e}.")
+        y[sel] = dense_mlp(w, x[tok], f"mlp.experts.{e}.", c)
     return y.view(T, k, H)
 
 
@@ -329,13 +398,13 @@ def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor) -> torch.Tensor:
         norm_topk_prob=c.norm_topk_prob,
         scaling_factor=c.routed_scaling_factor,
     )
-    shared = dense_mlp(w, x, "mlp.shared_experts.") if c.n_shared_experts else None
+    shared = dense_mlp(w, x, "mlp.shared_experts.", c) if c.n_shared_experts else None
     return kernels.moe_combine(_routed_experts(c, w, x, ids), wts, shared, out_dtype=x.dtype)
 
 
 def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor) -> torch.Tensor:
     if not c.moe_layers[layer]:
-        return dense_mlp(w, x)
+        return dense_mlp(w, x, c=c)
     return moe_qwen3(c, w, x) if c.arch == "qwen3_moe" else moe_dsv3(c, w, x)
 
 
@@ -412,9 +481,11 @@ def reference_hidden(c: ArchConfig, sd: Mapping[str, torch.Tensor], input_ids: t
         v4 = v.reshape(B, S, *v.shape[1:])
         return kernels.causal_attention(q4, k4, v4, scale).reshape(B * S, q.shape[1], v.shape[-1])
 
+    fp8 = FP8WeightCache()  # quantised once per call (the engine: once per weight load)
     for i in range(c.num_layers):
         pre = f"model.layers.{i}."
-        h = layer_forward(c, lambda n, pre=pre: sd[pre + n], i, h, cos, sin, attend)
+        w = fp8.getter(lambda n, pre=pre: sd[pre + n], pre)
+        h = layer_forward(c, w, i, h, cos, sin, attend)
     h = final_norm(c, sd["model.norm.weight"], h)
     return h.view(B, S, -1)
 
