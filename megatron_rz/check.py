@@ -71,12 +71,19 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     base = prepare_base_model(recipe, run_dir)
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
                       mode=recipe.mode, train=False)
-    side = RolloutSide(recipe, base) if _rank() == 0 else None
+    # model.fp8: the engine learns it from its checkpoint's config.json (key rz_fp8); the base model
+    # may have been made without it, so the engine gets a view of it that declares it.
+    rollout_dir = base
+    if _rank() == 0 and recipe.model.fp8 != "none":
+        from vllm_bridge.engine import fp8_checkpoint
+
+        rollout_dir = fp8_checkpoint(base, recipe.model.fp8, run_dir / f"base_model_fp8_{recipe.model.fp8}")
+    side = RolloutSide(recipe, rollout_dir) if _rank() == 0 else None
     if inject_fault:
         _inject(inject_fault, learner, side)
     scenarios = _broadcast(_scenarios(side, recipe, num_prompts, samples) if side else None)
     T = recipe.rollout.temperature
-    report: dict = {"mode": recipe.mode, "arch": recipe.model.arch, "dtype": recipe.model.dtype,
+    report: dict = {"mode": recipe.mode, "arch": recipe.model.arch, "dtype": recipe.model.dtype, "fp8": recipe.model.fp8,
                     "layout": recipe.parallel.model_dump(), "scenarios": {}}
     all_equal = True
     first_bad_prompt = None  # a prompt whose sample mismatched: the localiser replays it
@@ -99,7 +106,7 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     if not all_equal and recipe.mode == "aligned":
         from megatron_rz.localise import localise
 
-        report["localisation"] = localise(learner, side, base, recipe, first_bad_prompt)
+        report["localisation"] = localise(learner, side, rollout_dir, recipe, first_bad_prompt)
     if side:
         side.engine.close()
     return report
@@ -109,7 +116,8 @@ def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"rz check: {report['arch']} {report['dtype']} mode={report['mode']} layout={report['layout']}")
+    fp8 = f" fp8={report['fp8']}" if report.get("fp8", "none") != "none" else ""
+    t = Table(title=f"rz check: {report['arch']} {report['dtype']}{fp8} mode={report['mode']} layout={report['layout']}")
     for col in ("scenario", "tokens", "bitwise equal", "max |dlogp|", "D3", "KL k1"):
         t.add_column(col, justify="right" if col != "scenario" else "left")
     for name, s in report["scenarios"].items():

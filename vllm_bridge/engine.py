@@ -120,6 +120,31 @@ def _config(model_dir: str) -> dict:
         return {}
 
 
+def fp8_checkpoint(model_dir: str | os.PathLike, fp8: str, view_dir: str | os.PathLike) -> str:
+    """A checkpoint dir whose config.json declares ``fp8`` (key ``rz_fp8``, read by the aligned
+    model classes): ``model_dir`` itself when it already does, else ``view_dir`` refreshed as a view
+    of ``model_dir`` (a symlink per file, config.json rewritten). The weights stay the high-precision
+    ones; the engine quantises them at load, as it re-quantises every in-place weight update."""
+    model_dir = Path(model_dir)
+    cfg = _config(str(model_dir))
+    if cfg.get("rz_fp8", "none") == fp8:
+        return str(model_dir)
+    view = Path(view_dir)
+    view.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name == "config.json" or not f.is_file():
+            continue
+        link = view / f.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(f.resolve())
+    cfg["rz_fp8"] = fp8
+    tmp = view / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.replace(view / "config.json")
+    return str(view)
+
+
 def _aligned_architecture(model_dir: str) -> str:
     archs = _config(model_dir).get("architectures") or []
     for a in archs:

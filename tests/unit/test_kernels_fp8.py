@@ -99,3 +99,24 @@ def test_dispatch_on_cpu_is_the_reference():
     xq, xs = kernels.quantize_act_groupwise(x)
     rq, rs = F8.quantize_act_groupwise(x)
     assert torch.equal(_bits(xq), _bits(rq)) and torch.equal(xs, rs)
+
+
+def test_fake_quant_linear_master_weight_gets_straight_through_grad():
+    """Fake-quant training: the forward is bitwise fp8_linear with the quantised weight (with or
+    without the master weight attached, K not a multiple of 128 included), and the master weight
+    gets the gradient F.linear with the dequantised weight would give it."""
+    g = torch.Generator().manual_seed(5)
+    for N, K in ((64, 256), (200, 96), (136, 300)):
+        w = (torch.randn(N, K, generator=g) / 16).requires_grad_(True)
+        x = torch.randn(2, 3, K, generator=g, requires_grad=True)
+        wq, ws = F8.quantize_weight_blockwise(w)
+        plain = F8.fp8_linear(x.detach(), wq, ws)
+        y = kernels.fake_quant_linear(x, w)
+        assert torch.equal(y, plain) and torch.equal(F8.fp8_linear(x, wq, ws, weight=w), plain)
+        gy = torch.randn(y.shape, generator=g)
+        y.backward(gy)
+        assert w.grad is not None and x.grad is not None
+        exp_w = gy.reshape(-1, N).t() @ x.detach().reshape(-1, K)
+        exp_x = gy @ F8.dequantize_weight_blockwise(wq, ws)
+        assert torch.allclose(w.grad, exp_w, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(x.grad, exp_x, rtol=1e-5, atol=1e-5)
