@@ -138,18 +138,25 @@ def test_fp8_learner_equals_vllm_and_differs_from_unquantised(ckpts, qwen_engine
     assert 1e-4 < s_fp32["mean_abs"] < 0.1 and s_fp32["max_abs"] < 0.5
 
 
-def test_fp8_deepseek_v3_learner_equals_reference(ckpts):
+def test_fp8_deepseek_v3_learner_equals_vllm_and_reference(ckpts):
+    """MLA (q / kv_a / kv_b / o projections), a dense layer, shared + routed experts, all FP8."""
     from vllm_bridge.aligned.reference import reference_logprobs
+    from vllm_bridge.engine import RolloutEngine
 
     d = ckpts["deepseek_v3"]
     learner = _learner("deepseek_v3", d)
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, 64, (4, 12), generator=g)
-    ids[1, 7:] = 1  # right padding
-    mask = torch.ones_like(ids, dtype=torch.float32)
-    mask[:, 0] = 0
-    mask[1, 7:] = 0
+    with RolloutEngine(str(d), aligned=True, fp8="blockwise", dtype="float32", max_model_len=MAX_LEN,
+                       max_num_seqs=16, kv_cache_gb=0.0625, seed=0) as eng:
+        samples = eng.generate(_prompts(64, n=4, seed=3), n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    ids, vllm_lp, mask = _ids(samples)
     lp = learner.logprobs(ids)
+    s_vllm = _stats(lp, vllm_lp, mask)
+    REPORT["deepseek_v3 learner vs vLLM (fp8)"] = s_vllm
+    print(f"\n[fp8 deepseek_v3] learner vs vLLM {s_vllm}")
+    assert torch.equal(lp[mask.bool()], vllm_lp[mask.bool()])
+    mask = torch.zeros_like(mask)  # every real token after the first (prompt tokens too)
+    for i, smp in enumerate(samples):
+        mask[i, 1 : len(smp.sequence)] = 1
     lp_mb = learner.logprobs(ids, micro_batch_size=1)
     ref8 = reference_logprobs(str(d), _cfg(d, "blockwise"), ids)
     ref32 = reference_logprobs(str(d), _cfg(d, "none"), ids)
