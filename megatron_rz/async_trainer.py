@@ -4,23 +4,27 @@ Selected by ``schedule.max_lag = k > 0`` (``trainer.train`` hands over to ``trai
 
 Processes
     learner ranks   the main process(es) (torchrun for tp/ep/dp > 1): Megatron learner, metrics.
-    rollout         one process spawned by global rank 0 (multiprocessing "spawn"); it owns the
-                    task, the tokenizer and the vLLM engine (trainer.RolloutSide, so the same
-                    engine settings as the synchronous trainer) driven by
-                    vllm_bridge.streaming.StreamingGenerator, plus vLLM's own engine-core/worker
-                    processes under it.
+    rollout         ``run_rollout``: it owns the task, the tokenizer and the vLLM engine
+                    (trainer.RolloutSide, so the same engine settings as the synchronous trainer)
+                    driven by vllm_bridge.streaming.StreamingGenerator, plus vLLM's own
+                    engine-core/worker processes under it. Either one process spawned by global
+                    rank 0 (multiprocessing "spawn"; ``RolloutProcess``), or, in an ``rz submit``
+                    job (RZ_REMOTE_ROLLOUT=1), one per rollout node inside its rollout host
+                    (megatron_rz.rollout_host; ``RemoteRollout``), each generating a contiguous
+                    share of every batch's prompts (prompt i keeps its seed whichever host runs it).
 
-Channels (multiprocessing queues between rank 0 and the rollout process)
+Channels (rank 0 <-> rollout: multiprocessing queues, or the hosts' authenticated TCP connections)
     results  rollout -> learner, bounded (max_lag + 2): ("ready", info), ("eval", tag, value),
              ("batch", k, samples, meta), ("error", traceback), ("done", info).
     control  learner -> rollout: ("weights", version, path), ("stop", final_eval).
     weights  rank 0 writes every new version as one safetensors file under
              ``run_dir/async_weights/`` (written to ``*.tmp``, then ``os.replace``: a reader never
-             sees a partial file) and sends (version, path). Between two engine steps the rollout
-             applies only the newest version it has received (StreamingGenerator.swap_weights:
-             pause at a step boundary, in-place reload, relabel, resume; requests in flight keep
-             going and keep their KV cache) and deletes the files of every version it has
-             applied or skipped.
+             sees a partial file; in a job the run directory is on the shared filesystem) and
+             sends (version, path). Between two engine steps the rollout applies only the newest
+             version it has received (StreamingGenerator.swap_weights: pause at a step boundary,
+             in-place reload, relabel, resume; requests in flight keep going and keep their KV
+             cache). A local rollout process deletes the files of every version it has applied or
+             skipped; with remote hosts the learner deletes a file once every host has moved past it.
 
 Lag bound (max_lag = k)
     Batch i (0-based) is the one the learner trains at version v0 + i (one update per batch).
@@ -35,7 +39,7 @@ Lag bound (max_lag = k)
 
 Failure handling
     The learner waits for the rollout with short queue timeouts and checks that the rollout
-    process is alive: a dead rollout process raises RolloutProcessError with its exit code (its
+    process is alive (remote: heartbeats; a silent or disconnected host is named): a dead rollout process raises RolloutProcessError with its exit code (its
     own traceback is forwarded when it could send one), never a hang. On success, learner
     exception or Ctrl-C the rollout process is told to stop, then terminated (SIGTERM: it closes
     its engine), then killed, and finally the vLLM engine-core/worker pids it reported at start
@@ -49,6 +53,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import shutil
 import signal
 import time
@@ -103,49 +108,86 @@ def _raise_exit(signum, frame):  # SIGTERM in the rollout process: unwind, close
 
 def _rollout_main(recipe_dict: dict, base: str, v0: int, start_step: int, init_path: str | None,
                   results_q, control_q) -> None:
-    """Entry point of the rollout process (spawned by global rank 0)."""
+    """Entry point of the local rollout process (spawned by global rank 0)."""
     signal.signal(signal.SIGTERM, _raise_exit)
-    side = None
+    parent = mp.parent_process()
     try:
-        from megatron_rz.trainer import RolloutSide
-        from vllm_bridge.streaming import StreamingGenerator
-
-        recipe = Recipe.model_validate(recipe_dict)
-        side = RolloutSide(recipe, Path(base))
-        gen = StreamingGenerator(side.engine)
-        if init_path is not None:  # resumed run: start from the learner's weights
-            gen.swap_weights(v0, path=init_path)
-            _unlink(init_path)
-        eng = side.engine
-        procs = [(p.pid, None) for p in eng._engine_processes()] + list(eng._worker_procs)
-        from vllm_bridge.engine import _proc_start_time
-
-        procs = [(pid, start or _proc_start_time(pid)) for pid, start in procs]
-        results_q.put(("ready", {"pid": os.getpid(), "procs": procs, "pad_id": side.tok.pad_token_id,
-                                 "startup_s": eng.startup_s}))
-        results_q.put(("eval", "before", side.evaluate()))
-        _Producer(recipe, side, gen, v0, start_step, results_q, control_q).run()
+        run_rollout(recipe_dict, base, v0, start_step, init_path, results_q, control_q,
+                    learner_alive=lambda: parent is None or parent.is_alive())
     except (KeyboardInterrupt, SystemExit, _Stop):
         results_q.cancel_join_thread()  # nobody may read what is still queued: do not block exit
     except BaseException:
         with contextlib.suppress(Exception):
             results_q.put(("error", traceback.format_exc()), timeout=10)
+
+
+def run_rollout(recipe_dict: dict, base: str, v0: int, start_step: int, init_path: str | None, results_q,
+                control_q, *, learner_alive=lambda: True, share: tuple[int, int] | None = None,
+                host_index: int = 0, owns_weight_files: bool = True) -> None:
+    """The rollout side of the async trainer: build the engine, report, evaluate, produce batches.
+
+    Runs in the local rollout process (``_rollout_main``) or, in an ``rz submit`` job, inside a
+    rollout host on a rollout node (``serve_rollout``), where ``results_q`` / ``control_q`` are the
+    TCP channel to learner rank 0. With several hosts, host ``host_index`` generates the prompts
+    ``share = (a, b)`` of every batch (the learner concatenates the shares) and only host 0 runs the
+    held-out evaluations; the weight files are then shared, so the learner deletes them
+    (``owns_weight_files=False``). The engine is closed on the way out, whatever happens."""
+    from megatron_rz.trainer import RolloutSide
+    from vllm_bridge.engine import _proc_start_time
+    from vllm_bridge.streaming import StreamingGenerator
+
+    recipe = Recipe.model_validate(recipe_dict)
+    side = RolloutSide(recipe, Path(base))
+    try:
+        gen = StreamingGenerator(side.engine)
+        if init_path is not None:  # resumed run: start from the learner's weights
+            gen.swap_weights(v0, path=init_path)
+            if owns_weight_files:
+                _unlink(init_path)
+        eng = side.engine
+        procs = [(p.pid, None) for p in eng._engine_processes()] + list(eng._worker_procs)
+        procs = [(pid, start or _proc_start_time(pid)) for pid, start in procs]
+        import socket
+
+        results_q.put(("ready", {"pid": os.getpid(), "procs": procs, "pad_id": side.tok.pad_token_id,
+                                 "startup_s": eng.startup_s, "host": socket.gethostname()}))
+        evaluates = host_index == 0
+        if evaluates:
+            results_q.put(("eval", "before", side.evaluate()))
+        _Producer(recipe, side, gen, v0, start_step, results_q, control_q, learner_alive=learner_alive,
+                  share=share, host_index=host_index, evaluates=evaluates,
+                  owns_weight_files=owns_weight_files).run()
     finally:
-        if side is not None:
-            with contextlib.suppress(BaseException):
-                side.engine.close()
+        with contextlib.suppress(BaseException):
+            side.engine.close()
+
+
+def serve_rollout(kw: dict, results_q, control_q) -> dict:
+    """A rollout host's handler for the async trainer (vllm_bridge.remote.RolloutHost op "rollout")."""
+    try:
+        run_rollout(kw["recipe"], kw["base"], kw["v0"], kw["start_step"], kw.get("init_path"), results_q,
+                    control_q, share=tuple(kw["share"]), host_index=int(kw["host_index"]),
+                    owns_weight_files=bool(kw.get("owns_weight_files", False)))
+    except _Stop as e:  # the learner went away or stopped us: not an error of this host
+        return {"stopped": str(e)}
+    return {"stopped": None}
 
 
 class _Producer:
     """The rollout loop: submit, step, swap, emit batches in order, respect the lag bound."""
 
-    def __init__(self, recipe: Recipe, side, gen, v0: int, start_step: int, results_q, control_q):
+    def __init__(self, recipe: Recipe, side, gen, v0: int, start_step: int, results_q, control_q, *,
+                 learner_alive=lambda: True, share: tuple[int, int] | None = None, host_index: int = 0,
+                 evaluates: bool = True, owns_weight_files: bool = True):
         self.recipe, self.side, self.gen = recipe, side, gen
         self.v0, self.start_step = v0, start_step
         self.results_q, self.control_q = results_q, control_q
         self.max_lag = recipe.schedule.max_lag
         self.total = recipe.schedule.steps - start_step
-        self.parent = mp.parent_process()
+        self.learner_alive = learner_alive
+        P = recipe.rollout.prompts_per_step
+        self.share = (0, P) if share is None else (int(share[0]), int(share[1]))
+        self.host_index, self.evaluates, self.owns_files = host_index, evaluates, owns_weight_files
         self.next_submit = 0  # next batch index to submit
         self.next_emit = 0  # next batch index to hand to the learner
         self.batches: dict[int, dict] = {}
@@ -157,8 +199,12 @@ class _Producer:
 
     # ---- control channel -----------------------------------------------------------------------
     def _check_parent(self) -> None:
-        if self.parent is not None and not self.parent.is_alive():
+        if not self.learner_alive():
             raise _Stop("learner process is gone")
+
+    def _drop(self, path) -> None:
+        if self.owns_files:
+            _unlink(path)
 
     def poll_control(self, timeout: float = 0.0) -> None:
         block = timeout > 0
@@ -167,14 +213,16 @@ class _Producer:
                 msg = self.control_q.get(timeout=timeout) if block else self.control_q.get_nowait()
             except queue.Empty:
                 return
+            except (EOFError, OSError) as e:  # remote channel closed: the learner is gone
+                raise _Stop(f"learner disconnected ({type(e).__name__})") from None
             block = False
             if msg[0] == "weights":
                 _, v, path = msg
                 if v <= self.gen.version or (self.newest is not None and v <= self.newest[0]):
-                    _unlink(path)
+                    self._drop(path)
                     continue
                 if self.newest is not None:
-                    _unlink(self.newest[1])  # superseded before it was applied
+                    self._drop(self.newest[1])  # superseded before it was applied
                 self.newest = (int(v), str(path))
             elif msg[0] == "stop":
                 self.stopping, self.final_eval = True, bool(msg[1])
@@ -193,7 +241,7 @@ class _Producer:
             from safetensors.torch import load_file
 
             self.side.engine.verify_sync(load_file(path).items())
-        _unlink(path)
+        self._drop(path)
         self.swap_s += time.perf_counter() - t0
 
     # ---- batches -------------------------------------------------------------------------------
@@ -205,12 +253,16 @@ class _Producer:
         step = self.start_step + k
         rng = step_rng(self.recipe.schedule.seed, step)  # the same prompts as the sync trainer's step
         problems = self.side.task.sample(rng, self.recipe.rollout.prompts_per_step)
+        a, b = self.share
+        if self.host_index:  # refills must not repeat another host's: a stream of its own
+            rng = random.Random(f"rz-refill-{self.recipe.schedule.seed}-{step}-{self.host_index}")
         self.batches[k] = {"problems": [], "groups": [], "dropped": 0, "refills": 0, "rng": rng,
                            "t_submit": time.perf_counter(), "submit_version": self.gen.version}
         base_seed = self.recipe.schedule.seed * 100003 + step * 101
-        # one submit per prompt so that a group's index is its problem's index in the batch list
-        for i, p in enumerate(problems):
-            self._submit_prompts_indexed(k, p, base_seed + i * self.recipe.rollout.samples_per_prompt)
+        # one submit per prompt so that a group's index is its problem's index in the batch list;
+        # prompt i of the batch has the same seed whichever host generates it
+        for i in range(a, b):
+            self._submit_prompts_indexed(k, problems[i], base_seed + i * self.recipe.rollout.samples_per_prompt)
 
     def _submit_prompts_indexed(self, k: int, problem, seed: int) -> None:
         r = self.recipe.rollout
@@ -241,21 +293,22 @@ class _Producer:
             # DAPO dynamic sampling, streaming form: drop the group, submit a fresh prompt for the
             # same batch (submitted now, so it still satisfies the batch's lag bound).
             b["dropped"] += 1
-            if b["refills"] >= 8 * r.prompts_per_step:
+            if b["refills"] >= 8 * max(1, self.share[1] - self.share[0]):
                 from megatron_rz.batch_filters import DynamicSamplingError
 
                 raise DynamicSamplingError(
                     f"batch {k}: {b['dropped']} groups had all-equal rewards; could not fill "
-                    f"{r.prompts_per_step} informative groups")
+                    f"{self.share[1] - self.share[0]} informative groups")
             b["refills"] += 1
             step = self.start_step + k
             self._submit_prompts_indexed(k, self.side.task.sample(b["rng"], 1)[0],
-                                         self.recipe.schedule.seed * 100003 + step * 101 + 7919 * b["refills"])
+                                         self.recipe.schedule.seed * 100003 + step * 101 + 7919 * b["refills"]
+                                         + 1_000_003 * self.host_index)
             return
         b["groups"].append(fg)
 
     def emit_ready(self) -> None:
-        P = self.recipe.rollout.prompts_per_step
+        P = self.share[1] - self.share[0]  # this host's groups per batch
         while self.next_emit in self.batches and len(self.batches[self.next_emit]["groups"]) >= P:
             k = self.next_emit
             b = self.batches.pop(k)
@@ -283,6 +336,8 @@ class _Producer:
             try:
                 self.results_q.put(msg, timeout=POLL_S)
                 return
+            except (EOFError, OSError) as e:  # remote channel closed: the learner is gone
+                raise _Stop(f"learner disconnected ({type(e).__name__})") from None
             except queue.Full:
                 self._check_parent()
                 self.poll_control(0)
@@ -314,7 +369,7 @@ class _Producer:
         self.gen.abort_all()
         self.poll_control(0)
         self.apply_newest()  # the final weights, for the final evaluation
-        if self.final_eval:
+        if self.final_eval and self.evaluates:
             self._put(("eval", "after", self.side.evaluate()))
         self._put(("done", {"swaps": len(self.gen.swaps), "version": self.gen.version}))
 
@@ -420,6 +475,126 @@ class RolloutProcess:
                 q.close()
 
 
+class RemoteRollout:
+    """Rank 0's handle on the rollout loops of an ``rz submit`` job's rollout hosts (RZ_REMOTE_ROLLOUT=1).
+
+    The same interface as RolloutProcess. Host j runs ``run_rollout`` (engine on its own node) for
+    the prompts ``share_j`` of every batch, over vllm_bridge.remote.RolloutStreams; the learner
+    concatenates the shares of batch k in host order (groups renumbered to the batch's prompt
+    order) and sends every new weight version to every host. The weight files live in the run
+    directory on the shared filesystem; a file is deleted once every host reports (batch meta
+    ``rollout_version``) having applied that version or a newer one."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path, base: Path, v0: int, start_step: int,
+                 init_path: Path | None, timeout_s: float = 900.0):
+        from vllm_bridge.remote import RolloutStreams, read_authkey, wait_for_hosts
+
+        hosts = wait_for_hosts(run_dir, timeout_s=float(os.environ.get("RZ_ROLLOUT_WAIT_S", "600")))
+        P = recipe.rollout.prompts_per_step
+        hosts = hosts[: max(1, min(len(hosts), P))]  # every host gets at least one prompt per batch
+        self.streams = RolloutStreams(hosts, read_authkey(run_dir))
+        n = len(hosts)
+        edges = [j * P // n for j in range(n + 1)]
+        self.shares = [(edges[j], edges[j + 1]) for j in range(n)]
+        self.timeout_s = timeout_s
+        self.info: dict = {}
+        self.applied = [v0] * n  # newest version each host reported applied
+        self.files: dict[int, str] = {} if init_path is None else {v0: str(init_path)}
+        self._closed = self._finished = False
+        self.streams.open("rollout", [
+            {"recipe": recipe.model_dump(), "base": str(Path(base).resolve()), "v0": v0, "start_step": start_step,
+             "init_path": None if init_path is None else str(Path(init_path).resolve()),
+             "share": list(share), "host_index": j, "owns_weight_files": False}
+            for j, share in enumerate(self.shares)])
+
+    @property
+    def pid(self) -> str:
+        return ", ".join(self.streams.nodes)
+
+    def _recv(self, j: int, kind: str, what: str):
+        try:
+            msg = self.streams.recv(j, self.timeout_s, what)
+        except Exception as e:
+            raise RolloutProcessError(f"while the learner waited for {what}: {e}") from None
+        if msg[0] != kind:
+            raise RolloutProcessError(f"rollout protocol error (node {self.streams.nodes[j]}): expected {kind!r} "
+                                      f"({what}), got {msg[0]!r}")
+        return msg
+
+    def get(self, kind: str, what: str, timeout_s: float | None = None):
+        if kind == "eval":  # only host 0 evaluates
+            return self._recv(0, kind, what)
+        msgs = [self._recv(j, kind, what) for j in range(len(self.shares))]
+        if kind == "ready":
+            info = dict(msgs[0][1])
+            info["procs"] = []  # on other nodes: each host closes its own engine
+            info["hosts"] = [{"node": node, **m[1]} for node, m in zip(self.streams.nodes, msgs)]
+            info["startup_s"] = max(m[1]["startup_s"] for m in msgs)
+            return ("ready", info)
+        if kind == "batch":
+            ks = {m[1] for m in msgs}
+            if len(ks) != 1:
+                raise RolloutProcessError(f"rollout hosts sent different batches {sorted(ks)} for {what}")
+            samples = []
+            for (a, _), m in zip(self.shares, msgs):
+                for smp in m[2]:
+                    smp.group += a
+                    samples.append(smp)
+            metas = [m[3] for m in msgs]
+            for j, mt in enumerate(metas):
+                self.applied[j] = max(self.applied[j], int(mt["rollout_version"]))
+            self._delete_applied()
+            meta = {
+                "time_generate": max(mt["time_generate"] for mt in metas),
+                "submit_version": min(mt["submit_version"] for mt in metas),
+                "rollout_version": min(mt["rollout_version"] for mt in metas),
+                "rollout_blocked_s": max(mt["rollout_blocked_s"] for mt in metas),
+                "rollout_swap_s": max(mt["rollout_swap_s"] for mt in metas),
+                "dynamic_sampling_dropped": sum(mt["dynamic_sampling_dropped"] for mt in metas),
+                "rollout_hosts": len(metas),
+            }
+            return ("batch", msgs[0][1], samples, meta)
+        if kind == "done":
+            return ("done", {"hosts": [m[1] for m in msgs]})
+        raise RolloutProcessError(f"unknown message kind {kind!r}")
+
+    def _delete_applied(self) -> None:
+        oldest = min(self.applied)  # a host only ever loads a newer version than it has
+        for v in [v for v in self.files if v <= oldest]:
+            _unlink(self.files.pop(v))
+
+    def send_weights(self, version: int, path: Path) -> None:
+        self.files[int(version)] = str(path)
+        for j in range(len(self.shares)):
+            try:
+                self.streams.send(j, ("weights", int(version), str(Path(path).resolve())))
+            except Exception as e:
+                raise RolloutProcessError(f"sending weights version {version}: {e}") from None
+
+    def finish(self) -> float | None:
+        for j in range(len(self.shares)):
+            self.streams.send(j, ("stop", True))
+        value = self.get("eval", "the final evaluation")[2]
+        self.get("done", "the rollout hosts to finish")
+        for j in range(len(self.shares)):  # the op's own reply: the host closed its engine
+            self._recv(j, "end", "the rollout hosts to close their engines")
+        self._finished = True
+        self.close()
+        return value
+
+    def close(self) -> None:
+        """Idempotent. Unfinished: ask every host to stop, then drop the connections (a host whose
+        learner disconnects stops its loop and closes its engine by itself)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished:
+            for j in range(len(self.shares)):
+                with contextlib.suppress(Exception):
+                    self.streams.send(j, ("stop", False))
+        self.streams.close()
+
+
 def lag_stats(versions: torch.Tensor, mask: torch.Tensor, learner_version: int, max_lag: int) -> dict:
     """Per-token and per-sample lag (learner version - token version) over response tokens."""
     sel = mask.bool()
@@ -481,6 +656,8 @@ def train_async(recipe: Recipe) -> dict:
     rank0 = _rank() == 0
     ckpt = resolve_load(recipe.checkpoint.load, run_dir)
     start_step = learner.load_checkpoint(ckpt) if ckpt is not None else 0
+    if ckpt is not None and rank0:
+        print(f"[rz] resumed from {ckpt} (step {start_step})", flush=True)
     v0 = learner.version
     wdir = run_dir / WEIGHTS_DIR
     init_path = None
@@ -497,11 +674,21 @@ def train_async(recipe: Recipe) -> dict:
             dump_recipe(recipe, run_dir / "recipe.yaml")
             if recipe.schedule.eval_every:
                 print("[rz] async trainer: schedule.eval_every is not used (evaluation before and after only)", flush=True)
-            rollout = RolloutProcess(recipe, base, v0, start_step, init_path)
-            rollout.info = rollout.get("ready", "the rollout engine to start")[1]
-            print(f"[rz] rollout process pid {rollout.pid} ready (vLLM pids "
-                  f"{[p for p, _ in rollout.info['procs']]}, start-up {rollout.info['startup_s']:.1f} s); "
-                  f"max_lag={max_lag}", flush=True)
+            from vllm_bridge.remote import remote_rollout_requested
+
+            if remote_rollout_requested():  # rz submit job: the engines run on the rollout nodes
+                rollout = RemoteRollout(recipe, run_dir, base, v0, start_step, init_path)
+                rollout.info = rollout.get("ready", "the rollout engines to start")[1]
+                print("[rz] async rollout on the rollout nodes: " + ", ".join(
+                    f"{h['node']} (prompts {a}..{b - 1} of each batch, rollout pid {h['pid']}, start-up "
+                    f"{h['startup_s']:.1f} s)" for h, (a, b) in zip(rollout.info["hosts"], rollout.shares))
+                    + f"; max_lag={max_lag}", flush=True)
+            else:
+                rollout = RolloutProcess(recipe, base, v0, start_step, init_path)
+                rollout.info = rollout.get("ready", "the rollout engine to start")[1]
+                print(f"[rz] rollout process pid {rollout.pid} ready (vLLM pids "
+                      f"{[p for p, _ in rollout.info['procs']]}, start-up {rollout.info['startup_s']:.1f} s); "
+                      f"max_lag={max_lag}", flush=True)
             earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if start_step else []
             logger = MetricsLogger(recipe, run_dir, resume=bool(start_step))
             eval_before = rollout.get("eval", "the initial evaluation")[2]

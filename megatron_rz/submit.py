@@ -156,7 +156,6 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
         rollout_prefix='export VLLM_HOST_IP=$(hostname -I | cut -d" " -f1); ' if c.rollout.gpus_per_node else "",
         learner_nodes=c.learner.nodes,
         procs_per_node=plan.learner_ranks_per_node,
-        remote_rollout=recipe.schedule.max_lag == 0,
     )
     return Rendered(script=script, plan=plan, job_name=job_name, workdir=workdir, log_dir=log_dir,
                     recipe_file=recipe_file, script_file=log_dir / f"{job_name}-{stamp}.sbatch",
@@ -168,9 +167,6 @@ def submit(recipe: Recipe, *, dry_run: bool = False, run_dir: str | None = None,
     """Plan, write and (unless dry_run) submit; returns the job id."""
     r = render(recipe, run_dir=run_dir)  # a layout that cannot run stops here: nothing written
     plan_text = format_plan(r.plan, recipe)
-    if recipe.schedule.max_lag > 0:
-        plan_text += ("\n  warning: schedule.max_lag > 0: the async trainer runs its vLLM engine beside learner "
-                      "rank 0 (remote rollout hosts serve the sync trainer only); the rollout nodes are held")
     if dry_run:
         out(r.script)
         out(plan_text)

@@ -194,12 +194,6 @@ def connect_remote_rollout(recipe: Recipe, run_dir: Path):
 
 def train(recipe: Recipe) -> dict:
     """Run the recipe; returns the final summary on rank 0 (empty dict elsewhere)."""
-    if recipe.schedule.max_lag > 0 and os.environ.get("RZ_REMOTE_ROLLOUT", "") == "1":
-        raise RecipeError(
-            "schedule.max_lag > 0 (the async trainer) cannot drive remote rollout hosts yet: it runs its "
-            "vLLM engine beside learner rank 0. Unset RZ_REMOTE_ROLLOUT (rz submit does so for async "
-            "recipes and starts the rollout hosts with --hold), or train with schedule.max_lag=0"
-        )
     if recipe.schedule.max_lag > 0:
         from megatron_rz.async_trainer import train_async
 

@@ -161,8 +161,12 @@ class RolloutHost:
 
     def __init__(self, run_dir: str | os.PathLike, *, node: str | None = None, authkey: bytes | None = None,
                  bind: str = "0.0.0.0", addr: str | None = None, port: int = 0, extra_info: dict | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, streams: dict[str, Callable] | None = None):
         self.run_dir = Path(run_dir)
+        # Long-running streaming ops (op name -> handler(kwargs, results, control)); the async
+        # trainer's rollout loop is one (megatron_rz.async_trainer.serve_rollout).
+        self.streams = dict(streams or {})
+        self._send_lock = threading.Lock()
         self.node = node or socket.gethostname()
         self.authkey = authkey if authkey is not None else read_authkey(self.run_dir)
         self.heartbeat_s = _env_float("RZ_ROLLOUT_HEARTBEAT_S", 2.0)
@@ -224,7 +228,7 @@ class RolloutHost:
 
     def _serve_connection(self, conn: Connection, should_stop, poll_s: float) -> bool:
         """Requests from one learner until it disconnects; True when it asked the host to shut down."""
-        send_lock = threading.Lock()
+        send_lock = self._send_lock = threading.Lock()
         while not should_stop():
             try:
                 if not conn.poll(poll_s):
@@ -234,6 +238,8 @@ class RolloutHost:
                 self.log("learner disconnected")
                 return False
             op, kw = msg[0], (msg[1] if len(msg) > 1 else {})
+            if op == "ctl":  # a control message for a streaming op that has already ended
+                continue
             self.calls[op] = self.calls.get(op, 0) + 1
             done = threading.Event()
             beat = threading.Thread(target=self._heartbeat, args=(conn, send_lock, done), daemon=True)
@@ -330,6 +336,12 @@ class RolloutHost:
             return self._engine().weight_version
         if op == "info":
             return {**self.info, "calls": dict(self.calls)}
+        if op in self.streams:
+            t0 = time.perf_counter()
+            self.log(f"{op}: started")
+            out = self.streams[op](kw, _ResultsChannel(conn, self._send_lock), _ControlChannel(conn))
+            self.log(f"{op}: finished after {time.perf_counter() - t0:.1f} s ({out})")
+            return out
         if op in ("close", "shutdown"):
             self.close_engine()
             return None
@@ -341,6 +353,42 @@ class RolloutHost:
                 self.engine.close()
             self.engine = None
             self.log(f"engine closed (calls served: {self.calls})")
+
+
+class _ResultsChannel:
+    """Queue-like sender for a streaming op: ``put(msg)`` -> ("data", msg) to the learner."""
+
+    def __init__(self, conn: Connection, lock: threading.Lock):
+        self.conn, self.lock = conn, lock
+
+    def put(self, msg, timeout: float | None = None) -> None:
+        with self.lock:  # shared with the heartbeat thread
+            self.conn.send(("data", msg))
+
+    def cancel_join_thread(self) -> None:  # multiprocessing.Queue's interface; nothing buffered here
+        pass
+
+
+class _ControlChannel:
+    """Queue-like receiver for a streaming op: the learner's ("ctl", msg) messages.
+
+    ``get`` raises queue.Empty on timeout and EOFError / OSError once the learner has gone."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def get(self, timeout: float | None = None):
+        import queue
+
+        if not self.conn.poll(timeout):
+            raise queue.Empty
+        msg = self.conn.recv()
+        if msg[0] != "ctl":
+            raise RolloutEngineError(f"streaming op: unexpected message {msg[0]!r} from the learner")
+        return msg[1]
+
+    def get_nowait(self):
+        return self.get(0)
 
 
 # ============================================================================ client
@@ -598,3 +646,87 @@ class RemoteRolloutEngine:
             except Exception as e:
                 raise type(e)(f"rollout host on node {h.node}: {e}") from None
         return result
+
+
+class RolloutStreams:
+    """Learner side of a streaming op on every host: one long request per host, messages both ways.
+
+    ``open(op, kws)`` starts ``op`` on host j with ``kws[j]``; ``recv(j)`` returns host j's next data
+    message (heartbeats skipped; ("end", result) once its op returned; a host error raises
+    RolloutHostError; silence past the heartbeat timeout or a closed connection raise
+    RolloutEngineError naming the node); ``send(j, msg)`` sends it a control message."""
+
+    def __init__(self, hosts: list[dict], authkey: bytes, *, connect_timeout_s: float = 30.0,
+                 heartbeat_timeout_s: float | None = None):
+        self.heartbeat_timeout_s = heartbeat_timeout_s or _env_float("RZ_ROLLOUT_HEARTBEAT_TIMEOUT_S", 60.0)
+        self.hosts: list[_HostConn] = []
+        try:
+            for h in hosts:
+                self.hosts.append(_HostConn(h, authkey, connect_timeout_s))
+        except BaseException:
+            self.close()
+            raise
+        self.op = ""
+
+    @property
+    def nodes(self) -> list[str]:
+        return [h.node for h in self.hosts]
+
+    def _gone(self, h: _HostConn, why: str) -> RolloutEngineError:
+        h.dead = why
+        return RolloutEngineError(f"rollout host on node {h.node} is gone: {why}. See the rollout component's "
+                                  f"lines ([rz rollout] {h.node}) in the job log")
+
+    def open(self, op: str, kws: list[dict]) -> None:
+        self.op = op
+        for j, kw in enumerate(kws):
+            self._raw_send(self.hosts[j], (op, kw))
+
+    def _raw_send(self, h: _HostConn, msg) -> None:
+        if h.dead:
+            raise RolloutEngineError(f"rollout host on node {h.node} is gone: {h.dead}")
+        try:
+            h.conn.send(msg)
+        except (EOFError, OSError) as e:
+            raise self._gone(h, f"connection lost while sending ({type(e).__name__}: {e})") from None
+
+    def send(self, j: int, msg) -> None:
+        self._raw_send(self.hosts[j], ("ctl", msg))
+
+    def recv(self, j: int, timeout_s: float, what: str):
+        h = self.hosts[j]
+        if h.dead:
+            raise RolloutEngineError(f"rollout host on node {h.node} is gone: {h.dead}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._gone(h, f"no {what} within {timeout_s:.0f} s (heartbeats kept coming: the host is "
+                                    "alive but made no progress)")
+            try:
+                if not h.conn.poll(min(self.heartbeat_timeout_s, left)):
+                    if deadline - time.monotonic() <= 0:
+                        continue
+                    raise self._gone(h, f"no message and no heartbeat for {self.heartbeat_timeout_s:.0f} s while "
+                                        f"waiting for {what} (RZ_ROLLOUT_HEARTBEAT_TIMEOUT_S): process stopped or "
+                                        "node down")
+                msg = h.conn.recv()
+            except (EOFError, OSError) as e:
+                raise self._gone(h, f"connection closed while waiting for {what} ({type(e).__name__}): the host "
+                                    "process exited") from None
+            if msg[0] == "hb":
+                continue
+            if msg[0] == "data":
+                return msg[1]
+            if msg[0] == "ok":
+                return ("end", msg[1])
+            if msg[0] == "error":
+                _, node, kind, message, tb = msg
+                h.dead = f"{kind}: {message}"
+                raise RolloutHostError(node, kind, message, tb)
+            raise self._gone(h, f"unexpected message {msg[0]!r}")
+
+    def close(self) -> None:
+        for h in self.hosts:
+            with contextlib.suppress(Exception):
+                h.conn.close()

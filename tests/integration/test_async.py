@@ -233,3 +233,92 @@ def test_ctrl_c_ends_rollout_and_vllm(tmp_path, base_model):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert _wait_gone(pids, 20) == []
+
+
+# ------------------------------------------------------------------------------ remote rollout hosts
+
+
+def _start_hosts(run_dir: Path, nodes: list[str], log_dir: Path) -> list[subprocess.Popen]:
+    """`python -m megatron_rz.rollout_host RUN_DIR` per "node" (what an rz submit job starts)."""
+    from vllm_bridge.remote import write_authkey
+
+    write_authkey(run_dir)
+    procs = []
+    for node in nodes:
+        env = {**_env(), "SLURMD_NODENAME": node, "RZ_NODE_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rz.rollout_host", str(run_dir)], cwd=ROOT,
+                                      env=env, stdout=open(log_dir / f"{node}.log", "w"), stderr=subprocess.STDOUT))
+    return procs
+
+
+def _stop_hosts(procs: list[subprocess.Popen], run_dir: Path) -> None:
+    (run_dir / "LEARNER_EXITED").touch()
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            p.wait(30)
+
+
+def _remote_env(hosts: int) -> dict:
+    return {**_env(), "RZ_REMOTE_ROLLOUT": "1", "RZ_ROLLOUT_HOSTS": str(hosts), "RZ_ROLLOUT_WAIT_S": "120"}
+
+
+def test_async_trainer_on_two_rollout_hosts(tmp_path, base_model, async_run):
+    """The async trainer with its rollout loop inside two rollout hosts (an rz submit job's rollout
+    nodes, here two processes on this machine): each host generates half of every batch; the
+    first batch (version 0 everywhere) is the one the local rollout process made, so the first
+    update is the same to the last bit."""
+    run_dir = tmp_path / "run"
+    _prep(run_dir, base_model)
+    hosts = _start_hosts(run_dir, ["hostA", "hostB"], tmp_path)
+    local_dir, _, mode = async_run
+    try:
+        out = subprocess.run(_cmd(run_dir, "schedule.steps=3", "schedule.max_lag=2", f"mode={mode}"),
+                             capture_output=True, text=True, env=_remote_env(2), cwd=ROOT, timeout=600)
+    finally:
+        _stop_hosts(hosts, run_dir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert re.search(r"async rollout on the rollout nodes: hostA \(prompts 0\.\.3 of each batch.*hostB \(prompts "
+                     r"4\.\.7 of each batch", out.stdout), out.stdout[-2000:]
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout_hosts"] == 2 and r["lag_max"] <= 2 and r["tokens"] > 0 for r in rows), rows
+    local = [r for r in map(json.loads, (local_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
+    for key in ("reward_mean", "response_len", "loss", "grad_norm", "max_abs_dlogp", "tokens"):
+        assert rows[0][key] == local[0][key], (key, rows[0][key], local[0][key])
+    if mode == "aligned":
+        for r in rows:
+            if r.get("lag0_pure_tokens", 0):
+                assert r["lag0_pure_frac_bitwise"] == 1.0, r
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    assert not (run_dir / "async_weights").exists()
+    for node in ("hostA", "hostB"):
+        text = (tmp_path / f"{node}.log").read_text()
+        assert f"[rz rollout] {node}: rollout: started" in text and f"[rz rollout] {node}: rollout: finished" in text, text[-2000:]
+    assert all(p.returncode == 0 for p in hosts)
+
+
+def test_lost_rollout_host_fails_async_learner_naming_it(tmp_path, base_model):
+    run_dir = tmp_path / "run"
+    _prep(run_dir, base_model)
+    (host,) = _start_hosts(run_dir, ["hostC"], tmp_path)
+    try:
+        proc = subprocess.Popen(_cmd(run_dir, "schedule.steps=500", "schedule.max_lag=1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_remote_env(1), cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        time.sleep(2.0)  # training under way
+        host.terminate()  # the node goes away (its engine is closed on the way out)
+        t0 = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _stop_hosts([host], run_dir)
+    assert proc.returncode != 0
+    assert "RolloutProcessError" in stderr and "rollout host on node hostC" in stderr, stderr[-3000:]
+    assert took < 60, took

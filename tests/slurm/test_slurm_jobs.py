@@ -3,9 +3,11 @@
 1. The tiny recipe runs as a heterogeneous job (learner on node1, rollout on node2) to completion
    and leaves its metrics and final checkpoint; its vLLM engine runs in the rollout host on node2
    (megatron_rz.rollout_host), which serves every generate and weight update over TCP.
-2. Preemption: the warning signal (USR1 to the batch script) makes the learner checkpoint and
+2. Preemption, with the asynchronous trainer (max_lag 1: its rollout loop runs inside the rollout
+   host on node2): the warning signal (USR1 to the batch script) makes the learner checkpoint and
    exit, the job requeues itself, and the requeued job resumes from that checkpoint and finishes:
-   every update appears once in metrics.jsonl, in order (continued, not restarted).
+   every update appears once in metrics.jsonl, in order (continued, not restarted), and the
+   resumed rollout loop starts from the checkpoint's weights.
 """
 
 import json
@@ -115,7 +117,7 @@ def test_tiny_recipe_runs_as_heterogeneous_job(local_slurm, tmp_path):
 
 def test_warning_signal_checkpoints_requeues_and_resumes(local_slurm, tmp_path):
     steps = 20
-    job, run_dir, log = _submit(tmp_path, f"schedule.steps={steps}")
+    job, run_dir, log = _submit(tmp_path, f"schedule.steps={steps}", "schedule.max_lag=1")
     _wait(lambda: len(_train_rows(run_dir)) >= 1, "the first update", log, 240)
     # What SLURM does before the time limit (--signal=B:USR1@secs): USR1 to the batch script only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
@@ -137,5 +139,11 @@ def test_warning_signal_checkpoints_requeues_and_resumes(local_slurm, tmp_path):
     assert (run_dir / "checkpoints" / f"step_{k:06d}" / "COMPLETE").exists()
     assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").exists()
     # Continued, not restarted: every update once, in order, across the two runs.
-    assert [r["step"] for r in _train_rows(run_dir)] == list(range(1, steps + 1))
+    rows = _train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["lag_max"] <= 1 and r["rollout_hosts"] == 1 for r in rows)
+    # both runs' rollout loops ran on node2, the second one from the checkpoint's weights
+    assert len(re.findall(r"\[rz rollout\] node2: rollout: started", text)) == 2, text[-4000:]
+    assert "async rollout on the rollout nodes: node2" in text
+    assert rows[k]["submit_version"] >= k  # the first batch after the resume: weights version k
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps - k

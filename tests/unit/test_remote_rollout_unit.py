@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_rz.recipe import RecipeError, load_recipe
+from megatron_rz.recipe import load_recipe
 from vllm_bridge.engine import RolloutEngineError
 from vllm_bridge.remote import read_authkey, read_hosts, wait_for_hosts, write_authkey
 
@@ -36,12 +36,115 @@ def test_wait_for_hosts_times_out_naming_what_it_found(tmp_path):
         wait_for_hosts(tmp_path, expected=2, timeout_s=0.5, poll_s=0.1)
 
 
-def test_async_trainer_refuses_remote_rollout_at_once(monkeypatch):
-    from megatron_rz.trainer import train
+def _fake_rollout_loop(kw, results, control):
+    """A rollout host's streaming handler with the async rollout loop's protocol, no vLLM: batch k
+    is emitted once weights >= k - max_lag arrived; every sample records its host and seed slot."""
+    import queue
 
-    monkeypatch.setenv("RZ_REMOTE_ROLLOUT", "1")
-    with pytest.raises(RecipeError, match="max_lag > 0 .* cannot drive remote rollout hosts"):
-        train(load_recipe(None, ["schedule.max_lag=2"]))
+    from vllm_bridge.samples import Sample
+
+    recipe, (a, b), j = kw["recipe"], kw["share"], kw["host_index"]
+    steps, lag, n = recipe["schedule"]["steps"], recipe["schedule"]["max_lag"], recipe["rollout"]["samples_per_prompt"]
+    if a == 3:  # the recipe below makes host 1 fail at its first batch when asked to
+        if recipe["name"] == "fail_on_host1":
+            raise ValueError("host 1 broke")
+    version, applied = kw["v0"], []
+    results.put(("ready", {"pid": 1000 + j, "procs": [], "pad_id": 0, "startup_s": 0.1 * (j + 1)}))
+    if j == 0:
+        results.put(("eval", "before", 0.25))
+    k = 0
+    stop = None
+    while stop is None:
+        try:
+            msg = control.get(timeout=0.05)
+        except queue.Empty:
+            msg = None
+        except (EOFError, OSError):
+            return {"stopped": "learner disconnected"}
+        if msg and msg[0] == "weights":
+            version = msg[1]
+            applied.append((msg[1], msg[2]))
+        elif msg and msg[0] == "stop":
+            stop = msg[1]
+        while k < steps and version >= kw["v0"] + k - lag:
+            samples = [Sample(prompt_ids=[i], response_ids=[i * n + s], logprobs=[-1.0], versions=[version],
+                              finish_reason="length", group=i - a, index_in_group=s, info={"host": j})
+                       for i in range(a, b) for s in range(n)]
+            results.put(("batch", k, samples, {"time_generate": 0.1 * (j + 1), "submit_version": version,
+                                                "rollout_version": version, "rollout_blocked_s": 0.0,
+                                                "rollout_swap_s": 0.0, "dynamic_sampling_dropped": j}))
+            k += 1
+    if stop and j == 0:
+        results.put(("eval", "after", 0.75))
+    results.put(("done", {"applied": applied}))
+    return {"stopped": None}
+
+
+def test_async_rollout_streams_over_two_hosts(tmp_path, monkeypatch):
+    """RemoteRollout (the async trainer's learner side) over real TCP to two RolloutHost threads
+    whose streaming handler speaks the rollout loop's protocol: shares, merged batches, weight
+    files deleted once every host moved past them, a host's error named, the end handshake."""
+    import threading
+
+    from megatron_rz.async_trainer import RemoteRollout, RolloutProcessError
+    from vllm_bridge.remote import RolloutHost, write_authkey
+
+    monkeypatch.delenv("RZ_ROLLOUT_AUTHKEY", raising=False)
+    monkeypatch.setenv("RZ_ROLLOUT_HOSTS", "2")
+    write_authkey(tmp_path)
+    stop = threading.Event()
+    logs: list[str] = []
+    for node in ("nodeA", "nodeB"):
+        h = RolloutHost(tmp_path, node=node, bind="127.0.0.1", addr="127.0.0.1", log=logs.append,
+                        streams={"rollout": _fake_rollout_loop})
+        threading.Thread(target=h.serve, args=(stop.is_set, 0.1), daemon=True).start()
+    try:
+        recipe = load_recipe(None, ["schedule.max_lag=1", "schedule.steps=3", "rollout.prompts_per_step=6",
+                                    "rollout.samples_per_prompt=2"])
+        wdir = tmp_path / "async_weights"
+        wdir.mkdir()
+        rr = RemoteRollout(recipe, tmp_path, tmp_path / "base_model", 0, 0, None, timeout_s=20)
+        assert rr.shares == [(0, 3), (3, 6)]
+        info = rr.get("ready", "start")[1]
+        assert [h["node"] for h in info["hosts"]] == ["nodeA", "nodeB"] and info["startup_s"] == 0.2
+        assert rr.get("eval", "eval before")[2] == 0.25
+        for k in range(3):
+            _, kk, samples, meta = rr.get("batch", f"batch {k}")
+            assert kk == k
+            # groups renumbered to the batch's prompt order, host shares concatenated in host order
+            assert [s.group for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+            assert [s.prompt_ids[0] for s in samples[::2]] == list(range(6))
+            assert [s.info["host"] for s in samples[::2]] == [0, 0, 0, 1, 1, 1]
+            assert meta["rollout_hosts"] == 2 and meta["dynamic_sampling_dropped"] == 1
+            assert meta["time_generate"] == pytest.approx(0.2)
+            path = wdir / f"v{k + 1:06d}.safetensors"
+            path.write_bytes(b"x")
+            rr.send_weights(k + 1, path)
+        # max_lag 1: batches 0 and 1 came from v0, batch 2 from v1 on both hosts, so only v1's
+        # file is known to be no longer needed
+        assert sorted(p.name for p in wdir.iterdir()) == ["v000002.safetensors", "v000003.safetensors"]
+        assert rr.finish() == 0.75
+        assert any("rollout: finished" in m for m in logs)
+    finally:
+        stop.set()
+
+    # a failure inside one host comes back with its node name, as a RolloutProcessError
+    stop2 = threading.Event()
+    run2 = tmp_path / "run2"
+    write_authkey(run2)
+    for node in ("nodeA", "nodeB"):
+        h = RolloutHost(run2, node=node, bind="127.0.0.1", addr="127.0.0.1", log=lambda m: None,
+                        streams={"rollout": _fake_rollout_loop})
+        threading.Thread(target=h.serve, args=(stop2.is_set, 0.1), daemon=True).start()
+    try:
+        bad = load_recipe(None, ["name=fail_on_host1", "schedule.max_lag=1", "schedule.steps=3",
+                                 "rollout.prompts_per_step=6"])
+        rr = RemoteRollout(bad, run2, run2 / "base_model", 0, 0, None, timeout_s=20)
+        with pytest.raises(RolloutProcessError, match="rollout host on node nodeB failed: ValueError: host 1 broke"):
+            rr.get("ready", "start")
+        rr.close()
+    finally:
+        stop2.set()
 
 
 class _FakeEngine:

@@ -111,25 +111,23 @@ def test_overrides_may_follow_flags(capsys, tmp_path):
         main(["submit", str(path), "--dry-run", "not-an-override"])
 
 
-def test_sync_recipe_serves_engines_from_the_rollout_hosts_async_holds(tmp_path):
-    """max_lag 0: key (0600), RZ_REMOTE_ROLLOUT, learner waits for every host's json. max_lag > 0: --hold."""
-    r = load_recipe(ROOT / "recipes" / "tiny_moe.yaml")
-    assert r.schedule.max_lag == 0
-    script = render(r, workdir=ROOT).script
-    assert "umask 077" in script and '"$RZ_RUN_DIR/rollout.key"' in script
-    assert "export RZ_REMOTE_ROLLOUT=1" in script and "export RZ_ROLLOUT_HOSTS=" in script
-    assert 'rm -rf "$RZ_RUN_DIR/rollout"' in script
-    assert "-m megatron_rz.rollout_host \"$RZ_RUN_DIR\"" in script and "--hold" not in script
-    # the wait loop comes before the learner's srun
-    assert script.index("rollout host(s) ready after") < script.index("srun --het-group=0")
-    f = tmp_path / "job.sbatch"
-    f.write_text(script)
-    assert subprocess.run(["bash", "-n", str(f)], capture_output=True).returncode == 0
+def test_rollout_hosts_serve_both_trainers(tmp_path):
+    """Key (0600), RZ_REMOTE_ROLLOUT, learner waits for every host's json; the same rollout side for
+    the synchronous (max_lag 0) and the asynchronous (max_lag > 0) trainer."""
+    for overrides in ([], ["schedule.max_lag=2"]):
+        r = load_recipe(ROOT / "recipes" / "tiny_moe.yaml", overrides)
+        script = render(r, workdir=ROOT).script
+        assert "umask 077" in script and '"$RZ_RUN_DIR/rollout.key"' in script
+        assert "export RZ_REMOTE_ROLLOUT=1" in script and "export RZ_ROLLOUT_HOSTS=" in script
+        assert 'rm -rf "$RZ_RUN_DIR/rollout"' in script
+        assert "-m megatron_rz.rollout_host \"$RZ_RUN_DIR\"" in script and "--hold" not in script
+        # the wait loop comes before the learner's srun
+        assert script.index("rollout host(s) ready after") < script.index("srun --het-group=0")
+        f = tmp_path / "job.sbatch"
+        f.write_text(script)
+        assert subprocess.run(["bash", "-n", str(f)], capture_output=True).returncode == 0
+        lines = []
+        from megatron_rz.submit import submit
 
-    lines = []
-    from megatron_rz.submit import submit
-
-    script = render(load_recipe(ROOT / "recipes" / "tiny_moe.yaml", ["schedule.max_lag=2"]), workdir=ROOT).script
-    assert "rollout_host --hold" in script and "RZ_REMOTE_ROLLOUT" not in script and "rollout.key" not in script
-    submit(load_recipe(ROOT / "recipes" / "tiny_moe.yaml", ["schedule.max_lag=2"]), dry_run=True, out=lines.append)
-    assert "warning: schedule.max_lag > 0" in lines[-1]
+        submit(r, dry_run=True, out=lines.append)
+        assert "warning" not in lines[-1]
