@@ -128,10 +128,6 @@ class PlanConfig(_Strict):
     # full = only each layer's input kept, the layer recomputed in backward (Megatron
     # recompute_granularity=full, method=uniform, num_layers=1).
     recompute: Literal["none", "full"] = "none"
-    # Megatron's distributed optimizer (ZeRO-1): fp32 master weights and Adam moments sharded over
-    # the data-parallel ranks. The learner builds use_distributed_optimizer=False today; the plan
-    # says so when a layout relies on it.
-    distributed_optimizer: bool = False
     # Tokens per learner sequence and per rollout sequence (default: model.max_position_embeddings,
     # the engines' max_model_len).
     seq_len: int | None = None

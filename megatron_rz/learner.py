@@ -100,8 +100,9 @@ class Learner:
         self.model = model
         self.device = next(model.parameters()).device  # cuda:LOCAL_RANK on a GPU, else cpu
         bf16 = model_cfg.dtype == "bfloat16"
+        dist_opt = parallel.distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
         )
         self.ddp = DistributedDataParallel(model.config, ddp_config, model)
         opt_config = OptimizerConfig(
@@ -114,7 +115,7 @@ class Learner:
             clip_grad=algo.grad_clip,
             bf16=bf16,
             params_dtype=getattr(torch, model_cfg.dtype),
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=dist_opt,
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp]) if train else None
         # Hugging Face builds the embedding with padding_idx=pad_token_id: that row gets no
@@ -259,9 +260,13 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict_for_checkpoint(self) -> dict:
+        from megatron_rz.megatron_patches import distributed_optimizer_state
+
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            # the distributed optimizer keeps its shards of fp32 params and Adam moments apart
+            "optimizer_param_state": distributed_optimizer_state(self.optimizer),
             "version": self.version,
             "layout": self.parallel.model_dump(),
             "world_size": dist.get_world_size(),
@@ -289,13 +294,18 @@ class Learner:
     def load_checkpoint(self, ckpt_dir) -> int:
         """Restore model, optimizer and version from save_checkpoint's files; returns the stored step."""
         state = torch.load(Path(ckpt_dir) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
-        if state["layout"] != self.parallel.model_dump() or state["world_size"] != dist.get_world_size():
+        saved = {**ParallelConfig().model_dump(), **state["layout"]}  # fields added since: their defaults
+        if saved != self.parallel.model_dump() or state["world_size"] != dist.get_world_size():
             raise ValueError(
                 f"checkpoint {ckpt_dir} was saved with layout {state['layout']} on {state['world_size']} ranks; "
                 f"this learner has {self.parallel.model_dump()} on {dist.get_world_size()}"
             )
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer_param_state") is not None:
+            from megatron_rz.megatron_patches import load_distributed_optimizer_state
+
+            load_distributed_optimizer_state(self.optimizer, state["optimizer_param_state"])
         self.version = int(state["version"])
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])

@@ -127,6 +127,79 @@ def _global_buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context
     return buf[0:numel].view(*tensor_shape)
 
 
+def _cuda_type_names(fn):
+    """Run ``fn`` while a CPU float tensor's ``type()`` answers with the CUDA type name (the
+    distributed optimizer sorts parameters by ``param.type() == 'torch.cuda.FloatTensor'``)."""
+    import functools
+
+    real = torch.Tensor.type
+
+    def as_cuda(self, dtype=None, non_blocking=False, **kw):
+        if dtype is None and not kw and self.device.type == "cpu":
+            name = real(self)
+            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") else name
+        return real(self, dtype, non_blocking, **kw)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        torch.Tensor.type = as_cuda
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = real
+
+    return wrapped
+
+
+def distributed_optimizer_state(optimizer) -> list | None:
+    """The parameter state (fp32 main-param shards, Adam moments) of every DistributedOptimizer in
+    ``optimizer`` (a ChainedOptimizer holds one per parameter group family), or None if there is
+    none. DistributedOptimizer.state_dict() leaves this state out by design; this is what a
+    per-rank checkpoint must add.
+
+    Megatron-core 0.16.1's load_parameter_state_from_dp_reshardable skips entries whose
+    'padding' flag is set but get_parameter_state_dp_reshardable writes no such flag (KeyError on
+    load); the entries are marked here. Load with load_distributed_optimizer_state (after
+    optimizer.load_state_dict), which also works around the shared-step bug described there."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, DistributedOptimizer)]
+    if not opts:
+        return None
+    out = []
+    for o in opts:
+        st = o.get_parameter_state_dp_reshardable()
+        for key, per_dtype in st.items():
+            if isinstance(key, int):
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for elem in bucket:
+                            elem.setdefault("padding", False)
+                            for k, v in list(elem.items()):
+                                if torch.is_tensor(v):
+                                    elem[k] = v.detach().clone()
+        out.append(st)
+    return out
+
+
+def load_distributed_optimizer_state(optimizer, states: list) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, DistributedOptimizer)]
+    if len(opts) != len(states):
+        raise ValueError(f"checkpoint has state for {len(states)} distributed optimizer(s), this learner has {len(opts)}")
+    with torch.no_grad():  # fp32 main params are views of parameters that require grad
+        for o, st in zip(opts, states):
+            # DistributedOptimizer.load_state_dict (megatron-core 0.16.1, torch optimizers, i.e.
+            # without apex/TE) gives every parameter's Adam state the SAME "step" tensor; torch's
+            # Adam then increments it once per parameter per step, so bias corrections go wrong
+            # after a resume. One tensor per parameter, as a fresh optimizer has.
+            for per_param in o.optimizer.state.values():
+                if torch.is_tensor(per_param.get("step")):
+                    per_param["step"] = per_param["step"].clone()
+            o.load_parameter_state_from_dp_reshardable(st)
+
+
 def apply() -> None:
     """Install the workarounds (idempotent). Call before building any Megatron module.
 
@@ -257,5 +330,17 @@ def apply() -> None:
     from megatron.core import utils as mc_utils
 
     mc_utils.GlobalMemoryBuffer.get_tensor = _global_buffer_get_tensor
+
+    # 12. Distributed optimizer (ZeRO-1: fp32 master weights and Adam moments sharded over the
+    #     data-parallel ranks). DistributedOptimizer accepts only parameters whose type() is
+    #     'torch.cuda.{Float,Half,BFloat16}Tensor' (TypeError for CPU tensors) and allocates its
+    #     scratch tensors on torch.cuda.current_device(). Build it with CPU tensors answering to the
+    #     CUDA type names, and allocate on the CPU; the gloo collectives it uses
+    #     (reduce_scatter_tensor, all_gather_into_tensor) work on CPU tensors in torch 2.13.
+    #     Applies to megatron-core 0.16.1.
+    from megatron.core.optimizer import distrib_optimizer as mc_distopt
+
+    mc_distopt.torch = cpu_torch
+    mc_distopt.DistributedOptimizer.__init__ = _cuda_type_names(mc_distopt.DistributedOptimizer.__init__)
 
     _APPLIED = True

@@ -42,18 +42,24 @@ def reinforce_loss(logp: torch.Tensor, rows: dict):
 
 
 def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_size: int = 1, steps: int = 2,
-              mode: str = "fast", recipe_path: str | None = None) -> dict:
+              mode: str = "fast", recipe_path: str | None = None, save_after: int | None = None,
+              save_dir: str | None = None, load_dir: str | None = None) -> dict:
+    """``save_after=k, save_dir=D``: write a learner checkpoint to D after step k; ``load_dir=D``:
+    start from such a checkpoint (then ``steps`` more steps)."""
     from megatron_rz.learner import Learner
 
     dp = world_size // tp
     recipe = load_recipe(recipe_path, list(overrides) + [f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.dp={dp}"])
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir, seed=0, mode=mode)
+    if load_dir:
+        learner.load_checkpoint(load_dir)
     ids, mask, adv = fixed_batch(recipe.model.vocab_size)
     before = learner.logprobs(ids)
-    metrics = [
-        learner.train_step(ids, reinforce_loss, micro_batch_size=2, loss_mask=mask, advantages=adv)
-        for _ in range(steps)
-    ]
+    metrics = []
+    for i in range(steps):
+        metrics.append(learner.train_step(ids, reinforce_loss, micro_batch_size=2, loss_mask=mask, advantages=adv))
+        if save_after == i + 1:
+            learner.save_checkpoint(save_dir)
     after = learner.logprobs(ids)
     weights = {k: v.detach().clone() for k, v in learner.export_hf_weights()}
     return {
@@ -62,6 +68,7 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
         "metrics": metrics,
         "weights": weights,
         "layout": {"tp": tp, "ep": ep, "dp": dp, "mode": mode},
+        "optimizers": [type(o).__name__ for o in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])],
     }
 
 
@@ -77,11 +84,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mode", choices=["fast", "aligned"], default="fast")
     ap.add_argument("--recipe", default=None, help="recipe YAML (default: the embedded default recipe)")
+    ap.add_argument("--save-after", type=int, default=None, help="write a checkpoint to --save-dir after this step")
+    ap.add_argument("--save-dir", default=None)
+    ap.add_argument("--load", default=None, help="start from this learner checkpoint")
     args = ap.parse_args(argv)
     import os
 
     world = int(os.environ.get("WORLD_SIZE", 1))
-    result = run_check(args.hf_dir, args.tp, args.ep, args.set, world, args.steps, args.mode, args.recipe)
+    result = run_check(args.hf_dir, args.tp, args.ep, args.set, world, args.steps, args.mode, args.recipe,
+                       save_after=args.save_after, save_dir=args.save_dir, load_dir=args.load)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()

@@ -13,7 +13,7 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
     weights    N * b
     gradients  N * 4                  (fp32 main_grad: the learner uses grad_reduce_in_fp32)
     optimizer  N * (12 if b == 2 else 8)   (fp32 master copy when b == 2, Adam m and v in fp32);
-               with plan.distributed_optimizer, divided by the data-parallel size of each part
+               with parallel.distributed_optimizer, divided by the data-parallel size of each part
                (non-expert: dp; experts: tp * dp / (ep * etp))
     activations  T = algo.micro_batch_size * seq_len tokens, split over tp (sequence parallel):
                recompute none: (layers / pp) * pp in flight * T * a * b / tp
@@ -256,11 +256,9 @@ def make_plan(recipe: Recipe) -> Plan:
     n_ne = params.non_expert / (p.tp * p.pp)
     n_e = params.routed_experts / (p.ep * p.etp * p.pp)
     opt_b = 12 if b == 2 else 8
-    if plan_cfg.distributed_optimizer:
+    if p.distributed_optimizer:  # ZeRO-1: optimizer state sharded over (expert-)data-parallel ranks
         edp = max(1, (p.tp * p.dp) // (p.ep * p.etp))
         opt = (n_ne * opt_b / p.dp + n_e * opt_b / edp)
-        notes.append("assumes Megatron's distributed optimizer (plan.distributed_optimizer): the learner builds "
-                     "use_distributed_optimizer=False today, so switch it on before running this layout")
     else:
         opt = (n_ne + n_e) * opt_b
     T = recipe.algo.micro_batch_size * seq
@@ -288,7 +286,7 @@ def make_plan(recipe: Recipe) -> Plan:
             errors.append(
                 f"learner needs {total:.1f} GiB per GPU ({parts}) but cluster.learner.gpu_memory_gb="
                 f"{L.gpu_memory_gb:g}: raise parallel.ep/tp/dp with more GPUs, lower algo.micro_batch_size or "
-                "plan.seq_len, or set cluster.plan.recompute=full / distributed_optimizer=true"
+                "plan.seq_len, or set cluster.plan.recompute=full / parallel.distributed_optimizer=true"
             )
 
     # ---- rollout memory per GPU
@@ -344,7 +342,7 @@ def format_plan(plan: Plan, recipe: Recipe) -> str:
         f"(routed experts {_b(pc.routed_experts)}, non-expert {_b(pc.non_expert)})",
         f"  learner: {where(c.learner)}, {plan.learner_ranks} ranks ({plan.learner_ranks_per_node} per node), "
         f"tp={p.tp} pp={p.pp} dp={p.dp} ep={p.ep} etp={p.etp}; micro batch {recipe.algo.micro_batch_size} x "
-        f"{plan.seq_len} tokens, recompute={c.plan.recompute}, distributed optimizer={c.plan.distributed_optimizer}",
+        f"{plan.seq_len} tokens, recompute={c.plan.recompute}, distributed optimizer={recipe.parallel.distributed_optimizer}",
     ]
     unit = "GiB per GPU" if plan.learner_budget else "GiB per rank (CPU: not checked)"
     lines.append("    " + ", ".join(f"{k} {v:.2f}" for k, v in plan.learner_mem.items())

@@ -135,6 +135,11 @@ class ParallelConfig(_Strict):
     ep: int = 1
     etp: int = 1
     dp: int = 1
+    # Megatron's distributed optimizer (ZeRO-1): fp32 master weights and Adam moments sharded over
+    # the data-parallel ranks (expert parameters over the expert-data-parallel ones); gradients
+    # reduce-scattered, parameters all-gathered. Same updates as the plain optimizer (to fp32
+    # reduction order); the memory plan divides optimizer state accordingly.
+    distributed_optimizer: bool = False
 
     @field_validator("tp", "pp", "ep", "etp", "dp")
     @classmethod

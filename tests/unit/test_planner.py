@@ -110,7 +110,7 @@ def test_tiny_recipe_on_cpu_nodes_is_planned_not_budgeted():
         # every expert on every GPU: 30B x 18 bytes cannot fit 139 GiB
         ("qwen3_30b_a3b", ["parallel.ep=1"], ["learner needs", "GiB per GPU", "optimizer", "gpu_memory_gb=139"]),
         # DeepSeek-V4 (tp=1: 7.3B non-expert parameters on every GPU) without the distributed optimizer
-        ("deepseek_v4_flash", ["cluster.plan.distributed_optimizer=false"], ["learner needs", "GiB per GPU"]),
+        ("deepseek_v4_flash", ["parallel.distributed_optimizer=false"], ["learner needs", "GiB per GPU"]),
         # weights of 671B in bf16 over 8 GPUs per engine
         ("deepseek_v3_671b", ["rollout.tensor_parallel_size=8", "rollout.num_engines=4"],
          ["rollout engine needs", "tensor_parallel_size=8"]),
