@@ -19,6 +19,8 @@ Run: .venv/bin/python -m pytest tests/integration/test_fp8_models.py -q -s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,6 +236,10 @@ def test_fp8_unsupported_layouts_fail_clearly(ckpts):
         load_recipe(str(RECIPES["qwen3_moe"]), ["model.fp8=tensorwise"])
     with pytest.raises(RolloutEngineError, match="mode=aligned"):  # before any vLLM process starts
         RolloutEngine(str(ckpts["qwen3_moe"]), aligned=False, fp8="blockwise")
+    # rz train does not start its engine in FP8 yet: it refuses rather than train unmatched
+    proc = subprocess.run([sys.executable, "-m", "megatron_rz.cli", "train", str(RECIPES["qwen3_moe"]),
+                           "model.fp8=blockwise"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "rz train does not start its rollout engine in FP8" in proc.stderr + proc.stdout
 
 
 def test_zz_report():

@@ -471,7 +471,7 @@ def reference_hidden(c: ArchConfig, sd: Mapping[str, torch.Tensor], input_ids: t
     B, S = input_ids.shape
     emb = sd["model.embed_tokens.weight"]
     h = emb[input_ids.reshape(-1).long()]  # [B*S, H], exact gather
-    pos = torch.arange(S).repeat(B)
+    pos = torch.arange(S, device=input_ids.device).repeat(B)  # on the GPU for CUDA inputs (RoPE tables)
     cos, sin = rope_tables(c, pos)
     scale = c.attn_scale
 
@@ -514,7 +514,7 @@ def reference_logprobs(
         input_ids = input_ids[None]
     logits = reference_logits(hf_dir_or_state_dict, config, input_ids)  # [B, S, V]
     B, S = input_ids.shape
-    out = torch.zeros(B, S, dtype=torch.float32)
+    out = torch.zeros(B, S, dtype=torch.float32, device=logits.device)
     if S > 1:
         lp = kernels.logprobs_from_logits(
             logits[:, :-1].reshape(B * (S - 1), -1), input_ids[:, 1:].reshape(-1), temperature
