@@ -248,9 +248,10 @@ def arch_config(config: Any) -> ArchConfig:
 
 
 class FP8WeightCache:
-    """Blockwise-quantised weights keyed by name, recomputed only when the weight changes (new
-    storage, or an in-place write: a weight sync's ``copy_`` bumps the tensor's version counter).
-    The engine therefore quantises each weight once per load / in-place update, not every step."""
+    """Blockwise-quantised weights keyed by name, recomputed only when the weight changes: new
+    storage, or an in-place op on the tensor (it bumps ``_version``). Writes through ``.data`` do not
+    bump it (vLLM's layerwise reload copies that way), so the aligned model also clears the cache in
+    ``load_weights``. The engine therefore quantises each weight once per load / in-place update."""
 
     def __init__(self) -> None:
         self._d: dict = {}
