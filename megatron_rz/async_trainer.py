@@ -123,7 +123,7 @@ def _rollout_main(recipe_dict: dict, base: str, v0: int, start_step: int, init_p
 
 def run_rollout(recipe_dict: dict, base: str, v0: int, start_step: int, init_path: str | None, results_q,
                 control_q, *, learner_alive=lambda: True, share: tuple[int, int] | None = None,
-                host_index: int = 0, owns_weight_files: bool = True) -> None:
+                host_index: int = 0, owns_weight_files: bool = True, engine_extra: dict | None = None) -> None:
     """The rollout side of the async trainer: build the engine, report, evaluate, produce batches.
 
     Runs in the local rollout process (``_rollout_main``) or, in an ``rz submit`` job, inside a
@@ -137,7 +137,7 @@ def run_rollout(recipe_dict: dict, base: str, v0: int, start_step: int, init_pat
     from vllm_bridge.streaming import StreamingGenerator
 
     recipe = Recipe.model_validate(recipe_dict)
-    side = RolloutSide(recipe, Path(base))
+    side = RolloutSide(recipe, Path(base), engine_extra=engine_extra)
     try:
         gen = StreamingGenerator(side.engine)
         if init_path is not None:  # resumed run: start from the learner's weights
@@ -167,7 +167,7 @@ def serve_rollout(kw: dict, results_q, control_q) -> dict:
     try:
         run_rollout(kw["recipe"], kw["base"], kw["v0"], kw["start_step"], kw.get("init_path"), results_q,
                     control_q, share=tuple(kw["share"]), host_index=int(kw["host_index"]),
-                    owns_weight_files=bool(kw.get("owns_weight_files", False)))
+                    owns_weight_files=bool(kw.get("owns_weight_files", False)), engine_extra=kw.get("engine_extra"))
     except _Stop as e:  # the learner went away or stopped us: not an error of this host
         return {"stopped": str(e)}
     return {"stopped": None}

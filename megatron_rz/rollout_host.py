@@ -14,6 +14,13 @@ for the learner). The checkpoint is on the shared filesystem (RUN_DIR/base_model
   lag bound) for its share of every batch, sends batches back and takes weight versions (files
   on the shared filesystem) as they come.
 
+Engines and processes (set by the batch script, see megatron_rz.submit.rollout_tasks): with
+RZ_ROLLOUT_TASKS_PER_NODE > 1 (an engine smaller than a node) SLURM starts one host per engine on
+each node, each seeing only its engine's GPUs, recorded as <node>-<local id>; with
+RZ_ENGINE_NODES = k > 1 (an engine wider than a node) the host on the first node of every k serves
+the engine (vLLM's multi-node executor, node_rank 0) and the hosts on the other k - 1 nodes run its
+workers (vllm_bridge.multinode), started from the settings the head publishes.
+
 Every call is logged here ("[rz rollout] <node>: ..."). The process exits when the batch script
 writes RUN_DIR/LEARNER_EXITED or stops it (SIGTERM), closing its engine first. A node that cannot
 import vLLM fails the job at start, not hours later.
@@ -47,6 +54,36 @@ def _raise_terminated(signum, frame):
     raise _Terminated(128 + signum)
 
 
+def _run_workers(run_dir: Path, name: str, addr: str | None, extra: dict, engine: int, rank: int, done: Path) -> int:
+    """A non-first node of a multi-node engine: record itself, then run the engine's workers
+    whenever its head publishes settings (again after a restart of the engine), until the end."""
+    import json
+    import time
+
+    from vllm_bridge import multinode
+
+    out = run_dir / "rollout"
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"node": name, "host": socket.gethostname(), "addr": addr or "", "pid": os.getpid(), **extra,
+            "role": "engine workers", "started": time.time()}
+    (out / f"{name}.json").write_text(json.dumps(info) + "\n")
+    print(f"[rz rollout] {name}: node {rank} of engine {engine}: waiting for its head's settings", flush=True)
+    after = 0.0
+    try:
+        while True:
+            settings = multinode.wait_for_settings(run_dir, engine, after=after, should_stop=done.exists)
+            if settings is None:
+                break
+            after = settings["written"]
+            print(f"[rz rollout] {name}: starting the workers of engine {engine} (node_rank {rank})", flush=True)
+            multinode.run_worker_node(settings, rank)
+            print(f"[rz rollout] {name}: workers of engine {engine} exited", flush=True)
+    except _Terminated:
+        print(f"[rz rollout] {name}: SIGTERM", flush=True)
+    print(f"[rz rollout] {name}: done", flush=True)
+    return 0
+
+
 def _serve_async_rollout(kw, results, control):
     from megatron_rz.async_trainer import serve_rollout
 
@@ -70,14 +107,29 @@ def main(argv: list[str] | None = None) -> int:
         "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
     }
     done = run_dir / DONE
+    tasks = int(os.environ.get("RZ_ROLLOUT_TASKS_PER_NODE", "1") or 1)
+    name = node if tasks == 1 else f"{node}-{os.environ.get('SLURM_LOCALID', '0')}"
+    engine_nodes = int(os.environ.get("RZ_ENGINE_NODES", "1") or 1)
+    addr = os.environ.get("RZ_NODE_ADDR") or None
+    engine_extra = {}
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    if engine_nodes > 1:
+        from vllm_bridge import multinode
+
+        node_id = int(os.environ.get("SLURM_NODEID", "0") or 0)
+        engine, rank = divmod(node_id, engine_nodes)
+        extra.update(engine=engine, engine_node_rank=rank)
+        if rank:
+            return _run_workers(run_dir, name, addr, extra, engine, rank, done)
+        engine_extra = {**multinode.head_settings(engine_nodes, addr or socket.gethostbyname(socket.gethostname())),
+                        "before_start": multinode.publisher(run_dir, engine)}
 
     from vllm_bridge.remote import RolloutEngineError, RolloutHost
 
-    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        host = RolloutHost(run_dir, node=node, addr=os.environ.get("RZ_NODE_ADDR") or None,
+        host = RolloutHost(run_dir, node=name, addr=addr,
                            port=int(os.environ.get("RZ_ROLLOUT_PORT", "0") or 0), extra_info=extra,
-                           streams={"rollout": _serve_async_rollout})
+                           streams={"rollout": _serve_async_rollout}, engine_extra=engine_extra)
     except RolloutEngineError as e:
         print(f"[rz rollout] {node}: {e}", file=sys.stderr, flush=True)
         return 4

@@ -58,6 +58,23 @@ def _abs(path: str, workdir: Path) -> Path:
     return p if p.is_absolute() else workdir / p
 
 
+def rollout_tasks(recipe: Recipe) -> dict:
+    """How the rollout component's processes map onto engines (one rollout host per process).
+
+    tasks_per_node  rollout hosts per node: GPUs per node / tensor_parallel_size when an engine
+                    is smaller than a node (each host sees only its engine's GPUs), else 1
+    engine_nodes    nodes per engine: tensor_parallel_size / GPUs per node when an engine is wider
+                    than a node (the first node's host serves it, the others run its workers)
+    hosts           rollout hosts that serve an engine to the learner
+    procs           rollout host processes in all"""
+    c, r = recipe.cluster, recipe.rollout
+    gpn, tp = c.rollout.gpus_per_node, r.tensor_parallel_size
+    tasks = gpn // tp if gpn and tp < gpn else 1
+    engine_nodes = tp // gpn if gpn and tp > gpn else 1
+    return {"tasks_per_node": tasks, "engine_nodes": engine_nodes,
+            "hosts": c.rollout.nodes * tasks // engine_nodes, "procs": c.rollout.nodes * tasks}
+
+
 def _group_sbatch(recipe: Recipe, which: str) -> list[str]:
     c = recipe.cluster
     g = getattr(c, which)
@@ -69,7 +86,8 @@ def _group_sbatch(recipe: Recipe, which: str) -> list[str]:
         lines.append(f"--account={c.account}")
     if c.qos:
         lines.append(f"--qos={c.qos}")
-    lines += [f"--nodes={g.nodes}", "--ntasks-per-node=1"]
+    tasks = rollout_tasks(recipe)["tasks_per_node"] if which == "rollout" else 1
+    lines += [f"--nodes={g.nodes}", f"--ntasks-per-node={tasks}"]
     if g.gpus_per_node:
         lines.append(f"--gpus-per-node={g.gpus_per_node}")
     if g.cpus_per_task:
@@ -84,10 +102,13 @@ def _group_sbatch(recipe: Recipe, which: str) -> list[str]:
 def _srun_opts(recipe: Recipe, which: str, workdir: Path) -> str:
     c = recipe.cluster
     g = getattr(c, which)
-    opts = [f"--nodes={g.nodes}", "--ntasks-per-node=1"]
+    tasks = rollout_tasks(recipe)["tasks_per_node"] if which == "rollout" else 1
+    opts = [f"--nodes={g.nodes}", f"--ntasks-per-node={tasks}"]
     if which == "learner":
         opts.append("--kill-on-bad-exit=1")
-    if g.gpus_per_node:
+    if g.gpus_per_node and tasks > 1:  # one engine per task, each on its own GPUs
+        opts.append(f"--gpus-per-task={recipe.rollout.tensor_parallel_size}")
+    elif g.gpus_per_node:
         opts.append(f"--gpus-per-node={g.gpus_per_node}")
     if g.cpus_per_task:  # srun does not inherit sbatch's --cpus-per-task (SLURM >= 22.05)
         opts.append(f"--cpus-per-task={g.cpus_per_task}")
@@ -155,6 +176,7 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
         learner_srun=_srun_opts(recipe, "learner", workdir),
         rollout_prefix='export VLLM_HOST_IP=$(hostname -I | cut -d" " -f1); ' if c.rollout.gpus_per_node else "",
         learner_nodes=c.learner.nodes,
+        rollout=rollout_tasks(recipe),
         procs_per_node=plan.learner_ranks_per_node,
     )
     return Rendered(script=script, plan=plan, job_name=job_name, workdir=workdir, log_dir=log_dir,

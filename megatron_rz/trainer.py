@@ -83,7 +83,7 @@ class RolloutSide:
     vllm_bridge.remote.RemoteRolloutEngine: the rollout hosts of an `rz submit` job) the same
     engine started on the rollout nodes with the same settings."""
 
-    def __init__(self, recipe: Recipe, model_dir: Path, remote=None):
+    def __init__(self, recipe: Recipe, model_dir: Path, remote=None, engine_extra: dict | None = None):
         from transformers import AutoTokenizer
 
         self.recipe = recipe
@@ -97,6 +97,7 @@ class RolloutSide:
             kv_cache_gb=r.kv_cache_gb,
             max_model_len=recipe.model.max_position_embeddings,
             aligned=recipe.mode == "aligned",
+            tensor_parallel_size=r.tensor_parallel_size,
         )
         if remote is not None:
             started = remote.start(str(Path(model_dir).resolve()), **engine_kwargs)
@@ -107,7 +108,7 @@ class RolloutSide:
         else:
             from vllm_bridge.engine import RolloutEngine
 
-            self.engine = RolloutEngine(str(model_dir), **engine_kwargs)
+            self.engine = RolloutEngine(str(model_dir), **engine_kwargs, **(engine_extra or {}))
 
     def encode(self, problems: list[Problem]) -> list[list[int]]:
         return [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]

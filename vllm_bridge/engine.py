@@ -28,7 +28,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,7 @@ class RolloutEngine:
         rpc_timeout_s: float | None = 600.0,
         aligned: bool = False,
         fp8: str | None = None,
+        before_start: Callable[[dict, dict], None] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.model_dir = str(model_dir)
@@ -323,6 +324,8 @@ class RolloutEngine:
                 kwargs.update(dsv4_kwargs)
         kwargs.update(engine_kwargs)
         self.engine_kwargs = kwargs
+        if before_start is not None:  # a multi-node engine publishes these to its other nodes
+            before_start(dict(kwargs), dict(env))
 
         from vllm import LLM
 

@@ -161,8 +161,11 @@ class RolloutHost:
 
     def __init__(self, run_dir: str | os.PathLike, *, node: str | None = None, authkey: bytes | None = None,
                  bind: str = "0.0.0.0", addr: str | None = None, port: int = 0, extra_info: dict | None = None,
-                 log: Callable[[str], None] | None = None, streams: dict[str, Callable] | None = None):
+                 log: Callable[[str], None] | None = None, streams: dict[str, Callable] | None = None,
+                 engine_extra: dict | None = None):
         self.run_dir = Path(run_dir)
+        # RolloutEngine kwargs this host adds to the learner's (a multi-node engine's head settings)
+        self.engine_extra = dict(engine_extra or {})
         # Long-running streaming ops (op name -> handler(kwargs, results, control)); the async
         # trainer's rollout loop is one (megatron_rz.async_trainer.serve_rollout).
         self.streams = dict(streams or {})
@@ -303,7 +306,7 @@ class RolloutHost:
             if self.engine is not None:  # a reconnecting learner (restart): start afresh
                 self.close_engine()
             self.log(f"starting the vLLM engine for {kw['model_dir']}")
-            self.engine = RolloutEngine(kw["model_dir"], **kw.get("kwargs", {}))
+            self.engine = RolloutEngine(kw["model_dir"], **{**kw.get("kwargs", {}), **self.engine_extra})
             info = {"node": self.node, "host_pid": os.getpid(), "engine_pids": self.engine.engine_pids(),
                     "worker_pids": self.engine.worker_pids(), "startup_s": self.engine.startup_s,
                     "eos_token_id": self.engine.eos_token_id, "vocab_size": self.engine.vocab_size}
@@ -339,7 +342,8 @@ class RolloutHost:
         if op in self.streams:
             t0 = time.perf_counter()
             self.log(f"{op}: started")
-            out = self.streams[op](kw, _ResultsChannel(conn, self._send_lock), _ControlChannel(conn))
+            out = self.streams[op]({**kw, "engine_extra": self.engine_extra}, _ResultsChannel(conn, self._send_lock),
+                                   _ControlChannel(conn))
             self.log(f"{op}: finished after {time.perf_counter() - t0:.1f} s ({out})")
             return out
         if op in ("close", "shutdown"):

@@ -151,3 +151,62 @@ def test_remote_rollout_host(tmp_path):
         for pid in engine_pids:  # vLLM processes orphaned by the SIGKILL above
             _kill(pid)
         log.close()
+
+
+def test_engine_spanning_two_rollout_hosts(tmp_path):
+    """An engine wider than a node (rollout.tensor_parallel_size > GPUs per node): tensor parallel 2
+    over two rollout hosts, as `rz submit` starts them (RZ_ENGINE_NODES=2, SLURM_NODEID 0 and 1),
+    here two processes of this machine with one CPU each. The first serves the engine (vLLM's
+    multi-node executor, node_rank 0) and publishes its settings; the second runs the engine's
+    second worker from them. Samples match a one-process engine's; weight updates reach it."""
+    from megatron_rz.recipe import load_recipe
+    from megatron_rz.tiny_models import make_random_checkpoint
+    from vllm_bridge.engine import RolloutEngine
+
+    ckpt = tmp_path / "ckpt"
+    make_random_checkpoint(load_recipe(None, []), ckpt)
+    run_dir = tmp_path / "run"
+    write_authkey(run_dir)
+    hosts, logs = [], []
+    for rank, node in enumerate(("nodeA", "nodeB")):
+        logs.append(tmp_path / f"{node}.log")
+        env = {**os.environ, "SLURMD_NODENAME": node, "SLURM_NODEID": str(rank), "RZ_ENGINE_NODES": "2",
+               "RZ_NODE_ADDR": "127.0.0.1", "VLLM_CPU_OMP_THREADS_BIND": str(rank), "PYTHONPATH": str(ROOT)}
+        hosts.append(subprocess.Popen([sys.executable, "-m", "megatron_rz.rollout_host", str(run_dir)], cwd=ROOT,
+                                      env=env, stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
+    kw = dict(max_num_seqs=16, max_model_len=128, kv_cache_gb=0.25, seed=0)
+    try:
+        client = RemoteRolloutEngine.from_run_dir(run_dir, expected=1, wait_s=60, heartbeat_timeout_s=60)
+        assert client.nodes == ["nodeA"]  # nodeB runs workers only: it serves nothing
+        worker = json.loads((run_dir / "rollout" / "nodeB.json").read_text())
+        assert worker["role"] == "engine workers" and worker["engine"] == 0 and worker["engine_node_rank"] == 1
+        (started,) = client.start(str(ckpt), tensor_parallel_size=2, **kw)
+        settings = json.loads((run_dir / "rollout" / "engines" / "engine-0.json").read_text())
+        assert settings["kwargs"]["nnodes"] == 2 and settings["kwargs"]["tensor_parallel_size"] == 2
+        a = client.generate(PROMPTS, 2, temperature=1.0, max_new_tokens=8, seed=3)
+        from safetensors.torch import load_file
+
+        old = load_file(str(ckpt / "model.safetensors"))
+        new = {k: v * 1.5 if v.is_floating_point() else v for k, v in old.items()}
+        client.update_weights(new.items(), version=1)
+        assert client.verify_sync(new.items())["checked"]  # tensors replicated on both workers
+        c = client.generate(PROMPTS, 2, temperature=1.0, max_new_tokens=8, seed=3)
+        assert all(v == 1 for s in c for v in s.versions) and [s.logprobs for s in c] != [s.logprobs for s in a]
+        client.close()
+        deadline = time.monotonic() + 60
+        while "workers of engine 0 exited" not in logs[1].read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "starting the workers of engine 0 (node_rank 1)" in logs[1].read_text()
+        assert "workers of engine 0 exited" in logs[1].read_text()  # the head's close ends them
+    finally:
+        (run_dir / "LEARNER_EXITED").touch()
+        for h in hosts:
+            try:
+                h.wait(60)
+            except subprocess.TimeoutExpired:
+                h.kill()
+    # the same model in one process (tensor parallel 1): same samples, logprobs to fp32 reduction order
+    with RolloutEngine(str(ckpt), **kw) as one:
+        b = one.generate(PROMPTS, 2, temperature=1.0, max_new_tokens=8, seed=3)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.logprobs, t.logprobs)) < 1e-4
