@@ -24,7 +24,8 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                    shared * 3 * moe_ffn)
     logits     T * vocab / tp * 4 * 2   (fp32 logits and their gradient for the logprob loss)
     + plan.overhead_gb (CUDA context, NCCL buffers, fragmentation)
-  rollout, one engine over rollout.tensor_parallel_size GPUs:
+  rollout, one engine over rollout.tensor_parallel_size GPUs (mode=fast; in mode=aligned the
+  aligned vLLM classes are not sharded: engine_tp counts as 1 below):
     weights    total params * b / engine_tp
     KV cache   rollout.kv_cache_gb (vLLM kv_cache_memory_bytes, per GPU); it must hold one
                sequence of seq_len tokens: per token 2 * kv_heads_per_gpu * head_dim * b * layers
@@ -290,11 +291,18 @@ def make_plan(recipe: Recipe) -> Plan:
             )
 
     # ---- rollout memory per GPU
-    per_tok, per_seq = _kv_per_token_and_seq(m, etp)
+    # The aligned vLLM model classes (vllm_bridge.aligned) are not tensor parallel yet: every TP
+    # worker holds the whole model and every KV head, so in aligned mode nothing is divided by TP.
+    shard = etp if recipe.mode == "fast" else 1
+    if recipe.mode == "aligned" and etp > 1:
+        notes.append(f"mode=aligned: the aligned vLLM model classes keep the whole model and KV cache on each "
+                     f"of the {etp} tensor-parallel workers (they are not sharded yet), so "
+                     "rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
+    per_tok, per_seq = _kv_per_token_and_seq(m, shard)
     seq_bytes = seq * per_tok + per_seq
     kv = r.kv_cache_gb * GiB
     seqs_fit = kv / seq_bytes if seq_bytes else float("inf")
-    rollout_mem = {"weights": params.total * b / etp / GiB, "kv_cache": r.kv_cache_gb}
+    rollout_mem = {"weights": params.total * b / shard / GiB, "kv_cache": r.kv_cache_gb}
     wanted = min(r.max_num_seqs, math.ceil(r.prompts_per_step * r.samples_per_prompt / max(1, r.num_engines)))
     if seqs_fit < 1:
         errors.append(
@@ -311,8 +319,10 @@ def make_plan(recipe: Recipe) -> Plan:
             errors.append(
                 f"rollout engine needs {total:.1f} GiB per GPU (weights {rollout_mem['weights']:.1f} over "
                 f"tensor_parallel_size={etp}, KV cache {r.kv_cache_gb:g}, overhead {plan_cfg.overhead_gb:g}) but "
-                f"cluster.rollout.gpu_memory_gb={Lg.gpu_memory_gb:g}: raise rollout.tensor_parallel_size or "
-                "lower rollout.kv_cache_gb"
+                f"cluster.rollout.gpu_memory_gb={Lg.gpu_memory_gb:g}: "
+                + ("raise rollout.tensor_parallel_size or lower rollout.kv_cache_gb" if recipe.mode == "fast" else
+                   "in mode=aligned every tensor-parallel worker holds the whole model (the aligned vLLM classes "
+                   "are not sharded yet): lower rollout.kv_cache_gb, or use mode=fast (stock vLLM classes, sharded)")
             )
 
     if errors:

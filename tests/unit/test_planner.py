@@ -106,11 +106,14 @@ def test_tiny_recipe_on_cpu_nodes_is_planned_not_budgeted():
         # tensor parallelism across nodes
         ("deepseek_v3_671b", ["parallel.tp=16", "parallel.dp=8"], ["parallel.tp=16 must divide", "gpus_per_node=8"]),
         # rollout engines do not match the rollout GPUs
-        ("qwen3_30b_a3b", ["rollout.num_engines=3"], ["3 * 2 = 6 GPUs", "1 nodes x 8 GPUs = 8"]),
+        ("qwen3_30b_a3b", ["rollout.num_engines=3"], ["3 * 1 = 3 GPUs", "1 nodes x 8 GPUs = 8"]),
         # every expert on every GPU: 30B x 18 bytes cannot fit 139 GiB
         ("qwen3_30b_a3b", ["parallel.ep=1"], ["learner needs", "GiB per GPU", "optimizer", "gpu_memory_gb=139"]),
         # DeepSeek-V4 (tp=1: 7.3B non-expert parameters on every GPU) without the distributed optimizer
         ("deepseek_v4_flash", ["parallel.distributed_optimizer=false"], ["learner needs", "GiB per GPU"]),
+        # aligned mode: the aligned vLLM classes are not tensor parallel (whole model per worker)
+        ("deepseek_v4_flash", ["mode=aligned"], ["rollout engine needs", "in mode=aligned every tensor-parallel worker",
+                                                 "use mode=fast"]),
         # weights of 671B in bf16 over 8 GPUs per engine
         ("deepseek_v3_671b", ["rollout.tensor_parallel_size=8", "rollout.num_engines=4"],
          ["rollout engine needs", "tensor_parallel_size=8"]),
