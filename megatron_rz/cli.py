@@ -70,13 +70,6 @@ def cmd_train(args) -> int:
     from megatron_rz.resume import resolve_load
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.model.fp8 != "none":
-        # The trainer's rollout engine (trainer.RolloutSide) is not yet started with fp8: the learner
-        # would train in FP8 against an unquantised engine, silently not bitwise.
-        raise RecipeError(
-            f"model.fp8={recipe.model.fp8}: rz train does not start its rollout engine in FP8 yet "
-            "(megatron_rz/trainer.py RolloutSide must pass fp8=recipe.model.fp8 to RolloutEngine); "
-            "rz check and the tests run both sides in FP8. Set model.fp8=none to train.")
     try:  # a wrong checkpoint path fails here, before the warm start and the engines
         resolve_load(recipe.checkpoint.load, recipe.run_dir)
     except FileNotFoundError as e:

@@ -315,6 +315,15 @@ class Recipe(_Strict):
                 f"rollout.dtype={self.rollout.dtype} differs from model.dtype={m.dtype}: aligned mode computes "
                 "the same numbers on both sides, so it needs one dtype; drop rollout.dtype or use mode=fast"
             )
+        if m.fp8 != "none" and self.mode != "aligned":
+            raise ValueError(
+                f"model.fp8={m.fp8} runs in the aligned model classes on both sides (the stock vLLM and "
+                "Megatron paths have no matching FP8 linears): use mode=aligned, or model.fp8=none")
+        if m.fp8 != "none" and p.tp > 1:
+            raise ValueError(
+                f"model.fp8={m.fp8} with parallel.tp={p.tp}: the FP8 GEMM adds its 128-wide K blocks in one "
+                "ascending chain, which row-parallel halves on two ranks cannot reproduce bit for bit; use "
+                "parallel.tp=1 with dp/ep, or model.fp8=none")
         if m.num_experts % p.ep:
             raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
         if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:

@@ -98,6 +98,7 @@ class RolloutSide:
             max_model_len=recipe.model.max_position_embeddings,
             aligned=recipe.mode == "aligned",
             tensor_parallel_size=r.tensor_parallel_size,
+            fp8=recipe.model.fp8,  # the same blockwise FP8 linears as the learner (or none)
         )
         if remote is not None:
             started = remote.start(str(Path(model_dir).resolve()), **engine_kwargs)

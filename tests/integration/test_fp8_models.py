@@ -227,19 +227,37 @@ def test_fp8_unsupported_layouts_fail_clearly(ckpts):
     from megatron_rz.aligned_spec import check_aligned_supported
     from vllm_bridge.engine import RolloutEngine, RolloutEngineError
 
-    r = load_recipe(str(RECIPES["qwen3_moe"]), ["model.fp8=blockwise", "parallel.tp=2"])
-    with pytest.raises(NotImplementedError, match=r"needs parallel\.tp=1.*128-wide K"):
-        check_aligned_supported(r.model, r.parallel)
+    from megatron_rz.recipe import ParallelConfig
+
+    with pytest.raises(RecipeError, match=r"parallel\.tp=2.*128-wide K blocks"):  # the recipe refuses it first
+        load_recipe(str(RECIPES["qwen3_moe"]), ["model.fp8=blockwise", "parallel.tp=2"])
+    with pytest.raises(RecipeError, match="use mode=aligned"):
+        load_recipe(str(RECIPES["qwen3_moe"]), ["model.fp8=blockwise", "mode=fast"])
+    r = load_recipe(str(RECIPES["qwen3_moe"]), ["model.fp8=blockwise"])
+    with pytest.raises(NotImplementedError, match=r"needs parallel\.tp=1.*128-wide K"):  # and the learner too
+        check_aligned_supported(r.model, ParallelConfig(tp=2))
     with pytest.raises(RecipeError, match="model.fp8"):
         load_recipe(str(ROOT / "recipes/tiny_dsv4.yaml"), ["model.fp8=blockwise"])
     with pytest.raises(RecipeError, match="fp8"):
         load_recipe(str(RECIPES["qwen3_moe"]), ["model.fp8=tensorwise"])
     with pytest.raises(RolloutEngineError, match="mode=aligned"):  # before any vLLM process starts
         RolloutEngine(str(ckpts["qwen3_moe"]), aligned=False, fp8="blockwise")
-    # rz train does not start its engine in FP8 yet: it refuses rather than train unmatched
+
+
+def test_rz_train_in_fp8_is_bitwise_every_update(tmp_path):
+    """`rz train` with model.fp8=blockwise: the engine (trainer.RolloutSide) runs the same FP8 linears
+    as the learner, so every update's rollout logprobs equal the learner's bit for bit."""
+    run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "megatron_rz.cli", "train", str(RECIPES["qwen3_moe"]),
-                           "model.fp8=blockwise"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "rz train does not start its rollout engine in FP8" in proc.stderr + proc.stdout
+                           "model.fp8=blockwise", "schedule.steps=2", "schedule.eval_every=0", "warm_start.steps=30",
+                           "task.eval_prompts=16", "rollout.prompts_per_step=4", "logging.wandb=false",
+                           "logging.plots=false", "logging.progress=false", f"logging.run_dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "max_abs_dlogp" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["frac_bitwise"] == 1.0 and r["max_abs_dlogp"] == 0.0 for r in rows), rows
+    assert json.loads((run_dir / "base_model" / "config.json").read_text()).get("rz_fp8") in (None, "none")
 
 
 def test_zz_report():
