@@ -7,6 +7,12 @@ on its own node with the engine arguments the learner sends (the sync trainer's 
 the checkpoint directory is on the shared filesystem, ``RUN_DIR/base_model``). It then serves
 generate, score, update_weights, engine_checksums, weight_version and close.
 
+Streaming ops (``RolloutHost(streams={name: handler})``, client ``RolloutStreams``): one long request
+per host whose handler gets queue-like channels -- it ``put``s ``("data", msg)`` messages to the
+learner and ``get``s the learner's ``("ctl", msg)`` ones -- with the same heartbeats and failure
+reporting as a call. The asynchronous trainer runs its whole rollout loop on the hosts this way
+(megatron_rz.async_trainer.RemoteRollout / serve_rollout).
+
 Client side (``RemoteRolloutEngine``): the slice of RolloutEngine's interface the synchronous
 trainer uses (generate, score, update_weights, verify_sync, engine_checksums, weight_version,
 close), over one connection per host. With several hosts, generate/score split the prompts into
