@@ -486,7 +486,7 @@ class RemoteRollout:
     ``rollout_version``) having applied that version or a newer one."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, base: Path, v0: int, start_step: int,
-                 init_path: Path | None, timeout_s: float = 900.0):
+                 init_path: Path | None, timeout_s: float | None = None):
         from vllm_bridge.remote import RolloutStreams, read_authkey, wait_for_hosts
 
         hosts = wait_for_hosts(run_dir, timeout_s=float(os.environ.get("RZ_ROLLOUT_WAIT_S", "600")))
@@ -496,7 +496,9 @@ class RemoteRollout:
         n = len(hosts)
         edges = [j * P // n for j in range(n + 1)]
         self.shares = [(edges[j], edges[j + 1]) for j in range(n)]
-        self.timeout_s = timeout_s
+        # the longest wait for one message while heartbeats keep coming (a full-size batch of long
+        # responses can take many minutes): the remote calls' limit, RZ_ROLLOUT_CALL_TIMEOUT_S
+        self.timeout_s = timeout_s or float(os.environ.get("RZ_ROLLOUT_CALL_TIMEOUT_S", "3600"))
         self.info: dict = {}
         self.applied = [v0] * n  # newest version each host reported applied
         self.files: dict[int, str] = {} if init_path is None else {v0: str(init_path)}
