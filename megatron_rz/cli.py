@@ -70,6 +70,10 @@ def cmd_train(args) -> int:
     from megatron_rz.resume import resolve_load
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.model.pretrained:  # a wrong or mismatched base checkpoint fails here, before any engine
+        from megatron_rz.pretrained import check_pretrained
+
+        check_pretrained(recipe)
     try:  # a wrong checkpoint path fails here, before the warm start and the engines
         resolve_load(recipe.checkpoint.load, recipe.run_dir)
     except FileNotFoundError as e:

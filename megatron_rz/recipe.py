@@ -33,6 +33,10 @@ class ModelConfig(_Strict):
 
     # deepseek_v4: learner megatron_rz/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
     arch: Literal["qwen3_moe", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
+    # A Hugging Face checkpoint directory to start from (config.json, *.safetensors, tokenizer; on a
+    # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
+    # section (megatron_rz/pretrained.py checks it before anything starts).
+    pretrained: str | None = None
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 2

@@ -169,9 +169,14 @@ class RolloutSide:
 
 
 def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
-    """The starting checkpoint: made once per run dir (tokenizer + random init + SFT warm start)."""
+    """The starting checkpoint: model.pretrained (checked against the recipe), else made once per run
+    dir (tokenizer + random init + SFT warm start)."""
     from megatron_rz.tiny_models import warm_start
 
+    if recipe.model.pretrained:
+        from megatron_rz.pretrained import check_pretrained
+
+        return check_pretrained(recipe)
     base = run_dir / "base_model"
     if not (base / "config.json").exists():
         if _rank() == 0:
@@ -325,7 +330,8 @@ def export_hf_checkpoint(weights, base: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    for f in base.iterdir():
-        if f.suffix in (".json", ".txt") and f.name != "warm_start.json":
+    for f in base.iterdir():  # config, tokenizer, generation config; not the weights or their index
+        weights_file = f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")
+        if f.is_file() and not weights_file and f.name != "warm_start.json":
             shutil.copy(f, out / f.name)
     save_file({k: v.contiguous() for k, v in weights}, str(out / "model.safetensors"), metadata={"format": "pt"})

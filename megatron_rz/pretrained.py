@@ -1,0 +1,87 @@
+"""Starting from a pretrained Hugging Face checkpoint (recipe key ``model.pretrained``).
+
+The tiny recipes make their base model (tokenizer + random init + SFT warm start); a real run starts
+from a released checkpoint instead: a directory with config.json, *.safetensors and the tokenizer,
+on a filesystem every node sees. Both engines load it natively (the learner through
+megatron_rz.hf_convert, reading only its own shard's tensors; vLLM by itself), so the recipe's
+``model`` section must describe the same network: ``check_pretrained`` compares the architecture
+class and every structural size with the checkpoint's config.json before anything starts, and says
+which keys differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_rz.recipe import Recipe, RecipeError
+
+ARCH_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                "deepseek_v4": "DeepseekV4ForCausalLM"}
+# config attributes that fix the network's shapes or numerics (compared where both configs have
+# them; read through transformers, which maps each release's key names, e.g. num_experts /
+# num_local_experts, onto the same attribute)
+STRUCTURAL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "intermediate_size", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+              "routed_scaling_factor", "norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "tie_word_embeddings", "rms_norm_eps", "scoring_func")
+
+
+_MISSING = object()
+
+
+def _get(cfg, key):
+    try:
+        return getattr(cfg, key)
+    except AttributeError:
+        return _MISSING
+
+
+def _rope_theta(cfg):
+    rp = _get(cfg, "rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return rp["rope_theta"]
+    v = _get(cfg, "rope_theta")
+    return None if v is _MISSING else v
+
+
+def check_pretrained(recipe: Recipe) -> Path:
+    """The checkpoint directory of ``model.pretrained``, checked against the recipe; RecipeError else."""
+    from megatron_rz.tiny_models import hf_config
+
+    raw = recipe.model.pretrained
+    path = Path(raw).expanduser().resolve()
+    fix = "set model.pretrained to a Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer)"
+    if not path.is_dir():
+        raise RecipeError(f"model.pretrained={raw!r}: no such directory ({path}); {fix}")
+    if not (path / "config.json").is_file():
+        raise RecipeError(f"model.pretrained={raw!r}: {path} has no config.json; {fix}")
+    if not list(path.glob("*.safetensors")):
+        raise RecipeError(f"model.pretrained={raw!r}: {path} has no *.safetensors weights; {fix}")
+    have = json.loads((path / "config.json").read_text())
+    want_cls = ARCH_CLASSES[recipe.model.arch]
+    got_cls = (have.get("architectures") or ["?"])[0]
+    if got_cls != want_cls:
+        raise RecipeError(
+            f"model.pretrained={raw!r} is a {got_cls} checkpoint but model.arch={recipe.model.arch} loads "
+            f"{want_cls}; supported: {', '.join(f'{a} ({c})' for a, c in ARCH_CLASSES.items())}")
+    from transformers import AutoConfig
+
+    have_cfg = AutoConfig.from_pretrained(str(path))
+    want_cfg = hf_config(recipe.model, 0, 0)
+    diffs = []
+    for key in STRUCTURAL:
+        a, b = _get(have_cfg, key), _get(want_cfg, key)
+        if a is not _MISSING and b is not _MISSING and a is not None and b is not None and a != b:
+            diffs.append(f"{key}: checkpoint {a!r}, recipe gives {b!r}")
+    ra, rb = _rope_theta(have_cfg), _rope_theta(want_cfg)
+    if ra is not None and rb is not None and float(ra) != float(rb):
+        diffs.append(f"rope_theta: checkpoint {ra!r}, recipe gives {rb!r}")
+    if diffs:
+        raise RecipeError(
+            f"model.pretrained={raw!r} does not match the recipe's model section ({len(diffs)} key(s)):\n  - "
+            + "\n  - ".join(diffs) + "\nmake the model section describe the checkpoint (see its config.json)")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise RecipeError(f"model.pretrained={raw!r}: {path} has no tokenizer files; {fix}")
+    return path
