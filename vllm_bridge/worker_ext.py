@@ -120,6 +120,10 @@ class WeightSyncExtension:
     def rz_param_names(self) -> list[str]:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]
 
+    def rz_param_shapes(self) -> dict[str, list[int]]:
+        """{parameter name: shape} of this worker's model (a tensor-parallel worker's shards)."""
+        return {n: list(p.shape) for n, p in self.model_runner.get_model().named_parameters()}
+
     # ---- scoring helpers -----------------------------------------------------------------------
     def rz_set_logit_scale(self, factor: float) -> float:
         """Multiply the model's LogitsProcessor scale by ``factor`` (1/T for score at temperature

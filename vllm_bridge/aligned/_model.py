@@ -11,10 +11,29 @@ All numerics are the per-layer functions of :mod:`vllm_bridge.aligned.reference`
 full-sequence reference runs); only the attention core differs: q/k/v go through a vLLM
 ``Attention`` layer with the aligned backend (:mod:`.attention_backend`), which writes K/V into the
 paged cache and runs ``kernels.attention`` per sequence.
+
+Tensor parallelism (classes with ``TP_SHARDED = True``, today Qwen3-MoE, when vLLM's
+tensor_parallel_size > 1, without blockwise FP8): each rank holds a shard and every logprob stays
+bitwise the TP=1 one. The other classes (DeepSeek-V3 / V4) and FP8 models are replicated on every
+TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
+* attention: q/k/v heads split in contiguous blocks (each head is computed as at TP=1); the vLLM
+  ``Attention`` layer is registered with the local head counts, so the KV cache is sharded;
+* o_proj and dense down_proj row-parallel as the learner's ``megatron_rz.aligned_spec``: each rank
+  computes the fp32 partials of its ROW_PARALLEL_K_SEGMENTS / tp K segments
+  (``kernels.linear_partial``), the partials are all-gathered over the TP group and added in rank
+  (= segment) order, rounded once: bitwise ``kernels.linear(x, W, k_segments=ROW_PARALLEL_K_SEGMENTS)``;
+  dense gate/up column-parallel;
+* routed experts split over the ranks (expert parallel, rank r holds experts r*E/tp ..); the router
+  is replicated; each rank computes its experts' (token, slot) rows, the ``[T, k, H]`` slot outputs
+  are all-reduced (one non-zero term per element: exact), ``kernels.moe_combine`` runs on every rank;
+* embeddings, norms, router gates and lm_head replicated (the logits need no gather).
+``load_weights`` receives full Hugging Face tensors (start-up and the in-place reload of a weight
+sync) and narrows them to the rank's shard (``rz_shards``); other ranks' experts are skipped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Optional
 
 import torch
@@ -24,8 +43,25 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+import kernels
+
 from . import reference as ref
 from .attention_backend import RZAlignedAttentionBackend
+
+
+def _tp_info() -> tuple[int, int]:
+    """(world size, rank) of vLLM's tensor-parallel group; (1, 0) outside a vLLM worker."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _all_reduce(y: torch.Tensor) -> torch.Tensor:
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().all_reduce(y)
 
 
 class _Params(nn.Module):
@@ -60,6 +96,9 @@ class RZAlignedForCausalLM(nn.Module):
     """Base class; subclasses set ``ARCH`` and build their attention modules."""
 
     ARCH = ""
+    # True: shard over vLLM's tensor-parallel group (see the module docstring); False: every TP
+    # worker holds and computes the whole model (bitwise the TP=1 result, no memory saved).
+    TP_SHARDED = False
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -71,6 +110,19 @@ class RZAlignedForCausalLM(nn.Module):
         self.cache_config = vllm_config.cache_config
         dtype = vllm_config.model_config.dtype
         self.rz_dtype = dtype
+        self.rz_tp, self.rz_rank = _tp_info()
+        # Blockwise FP8 stays replicated at TP > 1 (as before): the FP8 GEMM adds its 128-wide K
+        # blocks one after another into one accumulator, so a row-parallel split has other bits.
+        self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1 and c.fp8 == "none"
+        # full HF parameter name -> (dim, start, length): the slice of the full tensor this rank holds
+        self.rz_shards: dict[str, tuple[int, int, int]] = {}
+        # rz_c: the config the per-layer functions see (the rank's local head counts when sharded)
+        self.rz_c = self._tp_config(c) if self.rz_sharded else c
+        self.rz_ep = None
+        tp, r = self.rz_tp, self.rz_rank
+        if self.rz_sharded and c.num_experts:
+            n = c.num_experts // tp
+            self.rz_ep = ref.ExpertShard(local=range(r * n, (r + 1) * n), reduce=_all_reduce)
         H = c.hidden_size
         self.model = nn.Module()
         self.model.embed_tokens = _Params(dtype, weight=(c.vocab_size, H))
@@ -86,10 +138,20 @@ class RZAlignedForCausalLM(nn.Module):
                 if c.has_expert_bias:
                     gate["e_score_correction_bias"] = (c.num_experts,)
                 mlp.gate = _Params(dtype, **gate)
-                mlp.experts = nn.ModuleList([_mlp(dtype, H, c.moe_intermediate_size) for _ in range(c.num_experts)])
-                if c.n_shared_experts:
+                if self.rz_ep is None:
+                    mlp.experts = nn.ModuleList([_mlp(dtype, H, c.moe_intermediate_size) for _ in range(c.num_experts)])
+                else:  # this rank's experts only, under their global ids (the HF names)
+                    mlp.experts = nn.ModuleDict({str(e): _mlp(dtype, H, c.moe_intermediate_size) for e in self.rz_ep.local})
+                if c.n_shared_experts:  # replicated when sharded
                     mlp.shared_experts = _mlp(dtype, H, c.moe_intermediate_size * c.n_shared_experts)
                 layer.mlp = mlp
+            elif self.rz_sharded:  # gate/up column-parallel, down row-parallel
+                inter = c.intermediate_size
+                layer.mlp = _mlp(dtype, H, inter // tp)
+                p = f"model.layers.{i}.mlp."
+                self._shard(p + "gate_proj.weight", 0, inter)
+                self._shard(p + "up_proj.weight", 0, inter)
+                self._shard(p + "down_proj.weight", 1, inter)
             else:
                 layer.mlp = _mlp(dtype, H, c.intermediate_size)
             layers.append(layer)
@@ -103,6 +165,54 @@ class RZAlignedForCausalLM(nn.Module):
         # reads back); their e4m3 copies + 128x128 scales live here, off the module tree (vLLM's
         # layerwise reload rebuilds registered buffers), quantised once per load / in-place update.
         self.rz_fp8 = ref.FP8WeightCache() if c.fp8 == "blockwise" else None
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    def _tp_config(self, c: ref.ArchConfig) -> ref.ArchConfig:
+        """Check that this model can be sharded over tp ranks bitwise; the local-head config."""
+        tp = self.rz_tp
+        seg = kernels.ROW_PARALLEL_K_SEGMENTS
+        name = type(self).__name__
+        if seg % tp:
+            raise ValueError(
+                f"{name}: tensor_parallel_size={tp} does not divide ROW_PARALLEL_K_SEGMENTS={seg}: the "
+                "row-parallel o_proj / down_proj could not reproduce the TP=1 (and learner) bits. Use a "
+                f"tensor_parallel_size that divides {seg}.")
+        checks = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+                  "num_experts": c.num_experts}
+        if not all(c.moe_layers):
+            checks["intermediate_size"] = c.intermediate_size
+        for what, n in checks.items():
+            if n % tp:
+                raise ValueError(f"{name}: {what}={n} is not divisible by tensor_parallel_size={tp}")
+        return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp)
+
+    def _shard(self, name: str, dim: int, full: int) -> None:
+        """Record that parameter ``name`` holds block ``rank`` of ``full`` along ``dim``."""
+        n = full // self.rz_tp
+        self.rz_shards[name] = (dim, self.rz_rank * n, n)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Row-parallel linear over the TP group: x [T, K/tp] and weight [N, K/tp] are this rank's K
+        block. Bitwise ``kernels.linear(x_full, W_full, k_segments=ROW_PARALLEL_K_SEGMENTS)``
+        (the learner's megatron_rz.aligned_spec.row_parallel_linear, vLLM's collectives)."""
+        from vllm.distributed import get_tp_group
+
+        local = kernels.ROW_PARALLEL_K_SEGMENTS // self.rz_tp
+        step = x.shape[-1] // local
+        parts = [kernels.linear_partial(x[..., j * step:(j + 1) * step], weight[:, j * step:(j + 1) * step])
+                 for j in range(local)]
+        allp = get_tp_group().all_gather(torch.stack(parts, dim=0).contiguous(), dim=0)  # rank order
+        return kernels.finish_linear(kernels.sum_partials(list(allp.unbind(0))), None, x.dtype)
+
+    def _tp_o_proj(self, w, o: torch.Tensor) -> torch.Tensor:
+        return self._row_parallel(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"))
+
+    def _tp_mlp(self, w, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.rz_c.moe_layers[i]:
+            return ref.mlp_forward(self.rz_c, w, i, x, ep=self.rz_ep)
+        g = kernels.linear(x, w("mlp.gate_proj.weight"))
+        u = kernels.linear(x, w("mlp.up_proj.weight"))
+        return self._row_parallel(kernels.swiglu(g, u), w("mlp.down_proj.weight"))
 
     # ---- per-architecture ------------------------------------------------------------------------
     def _build_attention(self, i: int, dtype, prefix: str) -> nn.Module:
@@ -141,9 +251,13 @@ class RZAlignedForCausalLM(nn.Module):
         cos, sin = ref.rope_tables(c, positions)
         for i, layer in enumerate(self.model.layers):
             w = layer.get_parameter if self.rz_fp8 is None else self.rz_fp8.getter(layer.get_parameter, f"{i}.")
-            h = ref.layer_forward(
-                c, w, i, h, cos, sin, lambda q, k, v, layer=layer: self._attend(layer, q, k, v)
-            )
+            attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
+            if self.rz_sharded:
+                h = ref.layer_forward(self.rz_c, w, i, h, cos, sin, attend,
+                                      o_proj=lambda o, w=w: self._tp_o_proj(w, o),
+                                      mlp=lambda x, w=w, i=i: self._tp_mlp(w, i, x))
+            else:
+                h = ref.layer_forward(c, w, i, h, cos, sin, attend)
         return ref.final_norm(c, self.model.norm.weight, h)
 
     def _lm_head_weight(self) -> torch.Tensor:
@@ -162,8 +276,16 @@ class RZAlignedForCausalLM(nn.Module):
         for name, w in weights:
             p = params.get(name)
             if p is None:
-                # rotary inv_freq buffers, MTP layers (model.layers.{num_layers}.*), a tied lm_head
+                # rotary inv_freq buffers, MTP layers (model.layers.{num_layers}.*), a tied lm_head,
+                # other tensor-parallel ranks' experts
                 continue
+            shard = self.rz_shards.get(name)
+            if shard is not None:  # a full HF tensor: keep this rank's block
+                dim, start, n = shard
+                if w.shape[dim] != n * self.rz_tp:
+                    raise ValueError(f"load_weights: {name} has shape {tuple(w.shape)}, expected the full "
+                                     f"tensor ({n * self.rz_tp} along dim {dim}) to shard over tp={self.rz_tp}")
+                w = w.narrow(dim, start, n)
             loader = getattr(p, "weight_loader", default_weight_loader)
             loader(p, w)
             loaded.add(name)

