@@ -182,9 +182,26 @@ def _experts_per_rank(model_cfg: ModelConfig, ep: int) -> int:
     return model_cfg.num_experts // ep
 
 
+def _dequantized(get_raw: Callable[[str], torch.Tensor], has: Callable[[str], bool]) -> Callable[[str], torch.Tensor]:
+    """Reads of an FP8 block-quantised release (DeepSeek's format: e4m3 weights with one fp32
+    ``<name>_scale_inv`` per 128 x 128 block, the dequantisation factor) come back dequantised in
+    fp32 (kernels.fp8.dequantize_weight_blockwise: each e4m3 value times its block's scale); the
+    learner keeps master weights in the model dtype either way."""
+
+    def get(k: str) -> torch.Tensor:
+        t = get_raw(k)
+        if t.dtype == torch.float8_e4m3fn and has(k + "_scale_inv"):
+            from kernels.fp8 import dequantize_weight_blockwise
+
+            return dequantize_weight_blockwise(t, get_raw(k + "_scale_inv"))
+        return t
+
+    return get
+
+
 def _read_hf(src) -> Callable[[str], torch.Tensor]:
     if isinstance(src, dict):
-        return lambda k: src[k]
+        return _dequantized(lambda k: src[k], lambda k: k in src)
     from safetensors import safe_open
 
     files = sorted(Path(src).glob("*.safetensors"))
@@ -202,7 +219,7 @@ def _read_hf(src) -> Callable[[str], torch.Tensor]:
         with safe_open(str(where[k]), framework="pt") as fh:
             return fh.get_tensor(k)
 
-    return get
+    return _dequantized(get, lambda k: k in where)
 
 
 # ------------------------------------------------------------------ public API

@@ -249,3 +249,42 @@ def test_distributed_optimizer_matches_and_resumes_exactly(ckpts, baselines, tmp
     assert resumed["metrics"][0]["grad_norm"] == full["metrics"][1]["grad_norm"]
     print(f"\n[distributed optimizer dp=2 ep=2] max|dweight| vs one process after 2 steps {wd:.2e}; "
           "resume from step-1 checkpoint bitwise")
+
+
+# ------------------------------------------------------------------ (e) FP8 block-quantised releases
+
+
+def test_fp8_release_checkpoint_loads_dequantised(ckpts, baselines, tmp_path):
+    """A checkpoint in DeepSeek's released FP8 format (linear weights e4m3 with a 128 x 128
+    `weight_scale_inv` each; embeddings, norms, router and lm_head unquantised) loads into the learner
+    dequantised: its log-probs and exported weights equal those of the same dequantised weights
+    stored in fp32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.fp8 import dequantize_weight_blockwise, quantize_weight_blockwise
+    from megatron_rz.parallel_check import run_check
+
+    d, _ = ckpts["deepseek_v3"]
+    sd = load_file(str(d / "model.safetensors"))
+    fp8, deq = {}, {}
+    for k, v in sd.items():
+        if v.dim() == 2 and k.endswith("proj.weight"):  # attention and MLP/expert projections
+            q, s = quantize_weight_blockwise(v)
+            fp8[k], fp8[k + "_scale_inv"] = q, s
+            deq[k] = dequantize_weight_blockwise(q, s)
+        else:
+            fp8[k] = deq[k] = v
+    assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) >= 10
+    dirs = {}
+    for name, tensors in (("fp8", fp8), ("deq", deq)):
+        out = tmp_path / name
+        shutil.copytree(d, out)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        dirs[name] = out
+    a = run_check(str(dirs["fp8"]), 1, 1, OVERRIDES["deepseek_v3"], world_size=1, steps=0)
+    b = run_check(str(dirs["deq"]), 1, 1, OVERRIDES["deepseek_v3"], world_size=1, steps=0)
+    assert torch.equal(a["logprobs_before"], b["logprobs_before"])
+    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in b["weights"])
+    assert not torch.equal(a["logprobs_before"], baselines["deepseek_v3"]["logprobs_before"])  # it is quantised
