@@ -24,8 +24,9 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                    shared * 3 * moe_ffn)
     logits     T * vocab / tp * 4 * 2   (fp32 logits and their gradient for the logprob loss)
     + plan.overhead_gb (CUDA context, NCCL buffers, fragmentation)
-  rollout, one engine over rollout.tensor_parallel_size GPUs (mode=fast; in mode=aligned the
-  aligned vLLM classes are not sharded: engine_tp counts as 1 below):
+  rollout, one engine over rollout.tensor_parallel_size GPUs (mode=fast, and the aligned Qwen3-MoE
+  class without FP8 at tp <= 2, which keeps embeddings and lm_head whole; the other aligned classes
+  are not sharded: engine_tp counts as 1 below):
     weights    total params * b / engine_tp
     KV cache   rollout.kv_cache_gb (vLLM kv_cache_memory_bytes, per GPU); it must hold one
                sequence of seq_len tokens: per token 2 * kv_heads_per_gpu * head_dim * b * layers
@@ -291,18 +292,33 @@ def make_plan(recipe: Recipe) -> Plan:
             )
 
     # ---- rollout memory per GPU
-    # The aligned vLLM model classes (vllm_bridge.aligned) are not tensor parallel yet: every TP
-    # worker holds the whole model and every KV head, so in aligned mode nothing is divided by TP.
-    shard = etp if recipe.mode == "fast" else 1
-    if recipe.mode == "aligned" and etp > 1:
-        notes.append(f"mode=aligned: the aligned vLLM model classes keep the whole model and KV cache on each "
-                     f"of the {etp} tensor-parallel workers (they are not sharded yet), so "
-                     "rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
+    # Tensor parallelism of the rollout engine. Stock vLLM (fast) shards everything. Of the aligned
+    # classes (vllm_bridge.aligned), Qwen3-MoE without FP8 shards attention heads (and the KV cache),
+    # experts and dense MLPs, keeping embeddings/lm_head whole, at tp dividing the learner's fixed
+    # row-parallel K segments; the DeepSeek and FP8 ones hold the whole model on every worker.
+    replicated = 0.0
+    if recipe.mode == "fast":
+        shard = etp
+    elif m.arch == "qwen3_moe" and m.fp8 == "none":
+        from kernels import ROW_PARALLEL_K_SEGMENTS as segments
+
+        if etp > 1 and segments % etp:
+            errors.append(f"rollout.tensor_parallel_size={etp}: the aligned Qwen3-MoE vLLM class shards only at a "
+                          f"tensor-parallel size dividing {segments} (the row-parallel K segments that keep it "
+                          "bitwise equal to the learner): use 1 or 2, or mode=fast")
+        shard = etp
+        replicated = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    else:
+        shard = 1
+        if etp > 1:
+            notes.append(f"mode=aligned: the aligned {m.arch}{' FP8' if m.fp8 != 'none' else ''} vLLM class keeps "
+                         f"the whole model and KV cache on each of the {etp} tensor-parallel workers (not sharded "
+                         "yet), so rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
     per_tok, per_seq = _kv_per_token_and_seq(m, shard)
     seq_bytes = seq * per_tok + per_seq
     kv = r.kv_cache_gb * GiB
     seqs_fit = kv / seq_bytes if seq_bytes else float("inf")
-    rollout_mem = {"weights": params.total * b / shard / GiB, "kv_cache": r.kv_cache_gb}
+    rollout_mem = {"weights": ((params.total - replicated) / shard + replicated) * b / GiB, "kv_cache": r.kv_cache_gb}
     wanted = min(r.max_num_seqs, math.ceil(r.prompts_per_step * r.samples_per_prompt / max(1, r.num_engines)))
     if seqs_fit < 1:
         errors.append(
@@ -320,9 +336,10 @@ def make_plan(recipe: Recipe) -> Plan:
                 f"rollout engine needs {total:.1f} GiB per GPU (weights {rollout_mem['weights']:.1f} over "
                 f"tensor_parallel_size={etp}, KV cache {r.kv_cache_gb:g}, overhead {plan_cfg.overhead_gb:g}) but "
                 f"cluster.rollout.gpu_memory_gb={Lg.gpu_memory_gb:g}: "
-                + ("raise rollout.tensor_parallel_size or lower rollout.kv_cache_gb" if recipe.mode == "fast" else
-                   "in mode=aligned every tensor-parallel worker holds the whole model (the aligned vLLM classes "
-                   "are not sharded yet): lower rollout.kv_cache_gb, or use mode=fast (stock vLLM classes, sharded)")
+                + ("raise rollout.tensor_parallel_size or lower rollout.kv_cache_gb" if shard > 1 or recipe.mode == "fast"
+                   else f"in mode=aligned every tensor-parallel worker holds the whole {m.arch} model (that aligned "
+                   "vLLM class is not sharded yet): lower rollout.kv_cache_gb, or use mode=fast (stock vLLM "
+                   "classes, sharded)")
             )
 
     if errors:

@@ -111,7 +111,10 @@ def test_tiny_recipe_on_cpu_nodes_is_planned_not_budgeted():
         ("qwen3_30b_a3b", ["parallel.ep=1"], ["learner needs", "GiB per GPU", "optimizer", "gpu_memory_gb=139"]),
         # DeepSeek-V4 (tp=1: 7.3B non-expert parameters on every GPU) without the distributed optimizer
         ("deepseek_v4_flash", ["parallel.distributed_optimizer=false"], ["learner needs", "GiB per GPU"]),
-        # aligned mode: the aligned vLLM classes are not tensor parallel (whole model per worker)
+        # the aligned Qwen3-MoE class shards only at tp dividing the row-parallel K segments (2)
+        ("qwen3_30b_a3b", ["rollout.tensor_parallel_size=4", "rollout.num_engines=2"],
+         ["shards only at a tensor-parallel size dividing 2", "mode=fast"]),
+        # aligned mode: the aligned DeepSeek classes are not tensor parallel (whole model per worker)
         ("deepseek_v4_flash", ["mode=aligned"], ["rollout engine needs", "in mode=aligned every tensor-parallel worker",
                                                  "use mode=fast"]),
         # weights of 671B in bf16 over 8 GPUs per engine
@@ -158,3 +161,18 @@ def test_bad_cluster_settings_fail_at_load(overrides, fragment):
     with pytest.raises(RecipeError) as e:
         load_recipe(ROOT / "recipes" / "tiny_moe.yaml", overrides)
     assert fragment in str(e.value)
+
+
+def test_aligned_rollout_sharding_in_the_plan():
+    """Aligned Qwen3-MoE at TP 2 divides the rollout weights (all but embeddings/lm_head) and the KV
+    cache per GPU; an aligned DeepSeek class at TP > 1 does not (whole model per worker, a note)."""
+    one = make_plan(_recipe("qwen3_30b_a3b"))
+    two = make_plan(_recipe("qwen3_30b_a3b", "rollout.tensor_parallel_size=2", "rollout.num_engines=4"))
+    emb = 151936 * 2048 * 2 * 2 / 2**30  # untied embeddings + lm_head, bf16
+    assert abs(two.rollout_mem["weights"] - ((one.rollout_mem["weights"] - emb) / 2 + emb)) < 1e-6
+    assert two.rollout_seqs_fit > 1.9 * one.rollout_seqs_fit
+    v3 = make_plan(_recipe("deepseek_v3_671b", "mode=aligned", "rollout.kv_cache_gb=40",
+                           "cluster.rollout.gpu_memory_gb=2000", "cluster.learner.gpu_memory_gb=2000"))
+    fast = make_plan(_recipe("deepseek_v3_671b"))
+    assert abs(v3.rollout_mem["weights"] - 16 * fast.rollout_mem["weights"]) < 1e-6
+    assert any("not sharded yet" in n for n in v3.notes)
