@@ -663,10 +663,10 @@ def train_async(recipe: Recipe) -> dict:
     v0 = learner.version
     wdir = run_dir / WEIGHTS_DIR
     init_path = None
-    if start_step:  # collective
-        weights = list(learner.export_hf_weights())
+    if start_step:
+        weights = learner.hf_weights_on_rank0()  # collective
         if rank0:
-            init_path = write_weights_file(weights, wdir, v0)
+            init_path = write_weights_file(weights.items(), wdir, v0)
         del weights
     rollout = logger = None
     earlier: list[dict] = []
@@ -738,9 +738,9 @@ def train_async(recipe: Recipe) -> dict:
             stats = mismatch_stats(learner_logp, batch.old_logprobs, batch.loss_mask)
             t2 = time.perf_counter()
 
-            weights = list(learner.export_hf_weights())  # collective
+            weights = learner.hf_weights_on_rank0()  # collective
             if rank0:
-                rollout.send_weights(learner.version, write_weights_file(weights, wdir, learner.version))
+                rollout.send_weights(learner.version, write_weights_file(weights.items(), wdir, learner.version))
             del weights
             t3 = time.perf_counter()
 
@@ -776,10 +776,10 @@ def train_async(recipe: Recipe) -> dict:
             checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
 
         learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
-        final_weights = list(learner.export_hf_weights())
+        final_weights = learner.hf_weights_on_rank0()  # collective
         if not rank0:
             return {}
-        export_hf_checkpoint(final_weights, base, run_dir / "hf_final")
+        export_hf_checkpoint(final_weights.items(), base, run_dir / "hf_final")
         eval_after = rollout.finish()
         logger.log(recipe.schedule.steps, {"eval_reward": eval_after})
         summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times)

@@ -227,7 +227,7 @@ def train(recipe: Recipe) -> dict:
     if rank0:
         dump_recipe(recipe, run_dir / "recipe.yaml")
     if start_step:
-        weights = dict(learner.export_hf_weights())
+        weights = learner.hf_weights_on_rank0()  # collective
         if rank0:
             side.engine.update_weights(weights.items(), version=learner.version)
     earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if (rank0 and start_step) else []
@@ -273,7 +273,7 @@ def train(recipe: Recipe) -> dict:
         t2 = time.perf_counter()
 
         # The stream is collective (TP/EP gathers): every rank walks it; rank 0 holds the full tensors.
-        weights = dict(learner.export_hf_weights())
+        weights = learner.hf_weights_on_rank0()
         if rank0:
             side.engine.update_weights(weights.items(), version=learner.version)
             r = recipe.rollout
@@ -309,7 +309,7 @@ def train(recipe: Recipe) -> dict:
         checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
 
     learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
-    final_weights = dict(learner.export_hf_weights())
+    final_weights = learner.hf_weights_on_rank0()  # collective
     if not rank0:
         return {}
     export_hf_checkpoint(final_weights.items(), base, run_dir / "hf_final")

@@ -75,6 +75,22 @@ def test_train_tiny_moe_tp2_ep2_through_torchrun(tmp_path):
     _check_run(run_dir, out)
 
 
+def test_train_async_dp2_ep2_distributed_optimizer_through_torchrun(tmp_path):
+    """The asynchronous trainer with two learner ranks (dp=2, ep=2, distributed optimizer): the
+    batch is broadcast from rank 0, weights come back through the collective export (only rank 0
+    keeps them), lag <= 1, lag-0 tokens bitwise, final checkpoint and hf_final written."""
+    run_dir = tmp_path / "run_async_dp2"
+    out = _rz_train(run_dir, "parallel.dp=2", "parallel.ep=2", "parallel.distributed_optimizer=true",
+                    "schedule.max_lag=1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert "launching 2 learner ranks" in out.stdout
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["lag_max"] <= 1 for r in rows)
+    assert all(r["lag0_pure_frac_bitwise"] == 1.0 for r in rows if r.get("lag0_pure_tokens")), rows
+    assert (run_dir / "checkpoints" / "step_000003" / "rank00001.pt").is_file()
+    assert (run_dir / "hf_final" / "model.safetensors").is_file()
+
+
 def test_train_rejects_bad_recipe_before_starting_engines(tmp_path):
     out = _rz_train(tmp_path / "bad", "parallel.ep=3")
     assert out.returncode == 2
