@@ -431,6 +431,50 @@ class _HostConn:
             ) from None
         self.dead: str | None = None
 
+    def gone(self, why: str) -> RolloutEngineError:
+        """Mark the host dead and say so (the caller raises it)."""
+        self.dead = why
+        return RolloutEngineError(
+            f"rollout host on node {self.node} is gone: {why}. Its engine cannot be reached; see the "
+            f"rollout component's lines ([rz rollout] {self.node}) in the job log"
+        )
+
+    def send(self, msg) -> None:
+        if self.dead:
+            raise RolloutEngineError(f"rollout host on node {self.node} is gone: {self.dead}")
+        try:
+            self.conn.send(msg)
+        except (EOFError, OSError) as e:
+            raise self.gone(f"connection lost while sending {msg[0]!r} ({type(e).__name__}: {e})") from None
+
+    def next_message(self, timeout_s: float, heartbeat_timeout_s: float, during: str, too_long: str):
+        """The host's next message other than a heartbeat. Raises (marking the host dead) when the
+        connection closes, when nothing at all arrives for heartbeat_timeout_s, or when timeout_s
+        passes with only heartbeats (``too_long`` says why); a host error becomes RolloutHostError."""
+        if self.dead:
+            raise RolloutEngineError(f"rollout host on node {self.node} is gone: {self.dead}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self.gone(too_long)
+            try:
+                if not self.conn.poll(min(heartbeat_timeout_s, left)):
+                    if deadline - time.monotonic() <= 0:
+                        continue
+                    raise self.gone(f"no answer and no heartbeat for {heartbeat_timeout_s:.0f} s during {during} "
+                                    "(RZ_ROLLOUT_HEARTBEAT_TIMEOUT_S): process stopped or node down")
+                msg = self.conn.recv()
+            except (EOFError, OSError) as e:
+                raise self.gone(f"connection closed during {during} ({type(e).__name__}"
+                                f"{': ' + str(e) if str(e) else ''}): the host process exited") from None
+            if msg[0] == "hb":
+                continue
+            if msg[0] == "error":
+                _, node, kind, message, tb = msg
+                raise RolloutHostError(node, kind, message, tb)
+            return msg
+
 
 class RemoteRolloutEngine:
     """RolloutEngine's trainer-facing interface, served by rollout hosts on other nodes."""
@@ -466,48 +510,17 @@ class RemoteRolloutEngine:
         return [h.node for h in self._hosts]
 
     # ---- plumbing ---------------------------------------------------------------------------------
-    def _gone(self, h: _HostConn, why: str) -> RolloutEngineError:
-        h.dead = why
-        return RolloutEngineError(
-            f"rollout host on node {h.node} is gone: {why}. Its engine cannot be reached; see the "
-            f"rollout component's lines ([rz rollout] {h.node}) in the job log"
-        )
-
     def _send(self, h: _HostConn, msg) -> None:
         if self._closed:
             raise RolloutEngineError("RemoteRolloutEngine is closed")
-        if h.dead:
-            raise RolloutEngineError(f"rollout host on node {h.node} is gone: {h.dead}")
-        try:
-            h.conn.send(msg)
-        except (EOFError, OSError) as e:
-            raise self._gone(h, f"connection lost while sending {msg[0]!r} ({type(e).__name__}: {e})") from None
+        h.send(msg)
 
     def _reply(self, h: _HostConn, op: str):
-        deadline = time.monotonic() + self.call_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._gone(h, f"{op} did not finish within {self.call_timeout_s:.0f} s "
-                                    "(RZ_ROLLOUT_CALL_TIMEOUT_S)")
-            try:
-                if not h.conn.poll(min(self.heartbeat_timeout_s, left)):
-                    if deadline - time.monotonic() <= 0:
-                        continue
-                    raise self._gone(h, f"no answer and no heartbeat for {self.heartbeat_timeout_s:.0f} s during "
-                                        f"{op} (RZ_ROLLOUT_HEARTBEAT_TIMEOUT_S): process stopped or node down")
-                msg = h.conn.recv()
-            except (EOFError, OSError) as e:
-                raise self._gone(h, f"connection closed during {op} ({type(e).__name__}"
-                                    f"{': ' + str(e) if str(e) else ''}): the host process exited") from None
-            if msg[0] == "hb":
-                continue
-            if msg[0] == "ok":
-                return msg[1]
-            if msg[0] == "error":
-                _, node, kind, message, tb = msg
-                raise RolloutHostError(node, kind, message, tb)
-            raise self._gone(h, f"unexpected message {msg[0]!r}")
+        msg = h.next_message(self.call_timeout_s, self.heartbeat_timeout_s, op,
+                             f"{op} did not finish within {self.call_timeout_s:.0f} s (RZ_ROLLOUT_CALL_TIMEOUT_S)")
+        if msg[0] == "ok":
+            return msg[1]
+        raise h.gone(f"unexpected message {msg[0]!r}")
 
     def _call_all(self, op: str, kws: list[dict] | dict) -> list:
         """Send `op` to every host (its own kwargs each, or the same), then collect every reply."""
@@ -682,59 +695,28 @@ class RolloutStreams:
     def nodes(self) -> list[str]:
         return [h.node for h in self.hosts]
 
-    def _gone(self, h: _HostConn, why: str) -> RolloutEngineError:
-        h.dead = why
-        return RolloutEngineError(f"rollout host on node {h.node} is gone: {why}. See the rollout component's "
-                                  f"lines ([rz rollout] {h.node}) in the job log")
-
     def open(self, op: str, kws: list[dict]) -> None:
         self.op = op
         for j, kw in enumerate(kws):
-            self._raw_send(self.hosts[j], (op, kw))
-
-    def _raw_send(self, h: _HostConn, msg) -> None:
-        if h.dead:
-            raise RolloutEngineError(f"rollout host on node {h.node} is gone: {h.dead}")
-        try:
-            h.conn.send(msg)
-        except (EOFError, OSError) as e:
-            raise self._gone(h, f"connection lost while sending ({type(e).__name__}: {e})") from None
+            self.hosts[j].send((op, kw))
 
     def send(self, j: int, msg) -> None:
-        self._raw_send(self.hosts[j], ("ctl", msg))
+        self.hosts[j].send(("ctl", msg))
 
     def recv(self, j: int, timeout_s: float, what: str):
         h = self.hosts[j]
-        if h.dead:
-            raise RolloutEngineError(f"rollout host on node {h.node} is gone: {h.dead}")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._gone(h, f"no {what} within {timeout_s:.0f} s (heartbeats kept coming: the host is "
-                                    "alive but made no progress)")
-            try:
-                if not h.conn.poll(min(self.heartbeat_timeout_s, left)):
-                    if deadline - time.monotonic() <= 0:
-                        continue
-                    raise self._gone(h, f"no message and no heartbeat for {self.heartbeat_timeout_s:.0f} s while "
-                                        f"waiting for {what} (RZ_ROLLOUT_HEARTBEAT_TIMEOUT_S): process stopped or "
-                                        "node down")
-                msg = h.conn.recv()
-            except (EOFError, OSError) as e:
-                raise self._gone(h, f"connection closed while waiting for {what} ({type(e).__name__}): the host "
-                                    "process exited") from None
-            if msg[0] == "hb":
-                continue
-            if msg[0] == "data":
-                return msg[1]
-            if msg[0] == "ok":
-                return ("end", msg[1])
-            if msg[0] == "error":
-                _, node, kind, message, tb = msg
-                h.dead = f"{kind}: {message}"
-                raise RolloutHostError(node, kind, message, tb)
-            raise self._gone(h, f"unexpected message {msg[0]!r}")
+        try:
+            msg = h.next_message(timeout_s, self.heartbeat_timeout_s, f"the wait for {what}",
+                                 f"no {what} within {timeout_s:.0f} s (heartbeats kept coming: the host is alive "
+                                 "but made no progress)")
+        except RolloutHostError as e:
+            h.dead = f"{e.kind}: {e.remote_message}"  # its streaming op has ended
+            raise
+        if msg[0] == "data":
+            return msg[1]
+        if msg[0] == "ok":
+            return ("end", msg[1])
+        raise h.gone(f"unexpected message {msg[0]!r}")
 
     def close(self) -> None:
         for h in self.hosts:
