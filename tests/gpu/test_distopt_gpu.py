@@ -12,27 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_util import run_parallel_check
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs 2 CUDA GPUs")
 
 
 def _run(ckpt: str, out: Path, *extra: str, distopt: bool = True) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megatron_rz.parallel_check", "--hf-dir", ckpt, "--recipe", str(ROOT / "recipes/tiny_moe.yaml"),
-           "--tp", "1", "--ep", "2", "--out", str(out),
-           "--set", f"parallel.distributed_optimizer={'true' if distopt else 'false'}", *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out, weights_only=False)
+    return run_parallel_check(ckpt, out, "tiny_moe", nproc=2, tp=1, ep=2,
+                              args=["--set", f"parallel.distributed_optimizer={'true' if distopt else 'false'}", *extra])
 
 
 def test_distributed_optimizer_on_two_gpus(tmp_path):

@@ -15,26 +15,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_util import run_parallel_check
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs 2 CUDA GPUs")
 
 
 def _run(ckpt: str, out: Path, nproc: int, tp: int, ep: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           "-m", "megatron_rz.parallel_check", "--hf-dir", ckpt, "--recipe", str(ROOT / "recipes/tiny_dsv3.yaml"),
-           "--tp", str(tp), "--ep", str(ep), "--out", str(out), "--mode", "aligned"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out, weights_only=False)
+    return run_parallel_check(ckpt, out, "tiny_dsv3", nproc=nproc, tp=tp, ep=ep, args=["--mode", "aligned"])
 
 
 def test_aligned_mla_learner_tp2_ep2_equal_tp1_and_reference(tmp_path):
