@@ -509,10 +509,6 @@ class RemoteRollout:
              "share": list(share), "host_index": j, "owns_weight_files": False}
             for j, share in enumerate(self.shares)])
 
-    @property
-    def pid(self) -> str:
-        return ", ".join(self.streams.nodes)
-
     def _recv(self, j: int, kind: str, what: str):
         try:
             msg = self.streams.recv(j, self.timeout_s, what)

@@ -689,14 +689,12 @@ class RolloutStreams:
         except BaseException:
             self.close()
             raise
-        self.op = ""
 
     @property
     def nodes(self) -> list[str]:
         return [h.node for h in self.hosts]
 
     def open(self, op: str, kws: list[dict]) -> None:
-        self.op = op
         for j, kw in enumerate(kws):
             self.hosts[j].send((op, kw))
 
