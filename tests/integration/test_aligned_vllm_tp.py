@@ -69,22 +69,14 @@ def _bits(values: list[float]) -> torch.Tensor:
 
 
 def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
-    from vllm_bridge.engine import RolloutEngine
+    from vllm_bridge.engine import RolloutEngine, _env
 
     cpus = sorted(os.sched_getaffinity(0))[:2]  # one CPU per TP worker ("0|1" here)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp == 2 else {}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     t0 = time.perf_counter()
-    try:
+    with _env(env):  # set while vLLM spawns its workers, then restored
         eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.25, max_num_seqs=16, seed=0,
                             tensor_parallel_size=tp, aligned=True)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out = {"start_s": time.perf_counter() - t0}
     with eng:
         out["shapes"] = eng._rpc("rz_param_shapes")
