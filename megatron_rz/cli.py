@@ -25,7 +25,7 @@ from megatron_rz.recipe import RecipeError, load_recipe
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipes/*.yaml")
-    p.add_argument("overrides", nargs="*", help="key.path=value, e.g. algo.lr=3e-5 schedule.steps=10")
+    p.add_argument("overrides", nargs="*", default=[], help="key.path=value, e.g. algo.lr=3e-5 schedule.steps=10")
 
 
 def _print_summary(summary: dict) -> None:
@@ -67,9 +67,9 @@ def _relaunch_under_torchrun(recipe, argv: list[str]) -> int | None:
 
 
 def cmd_train(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
     from megatron_rz.resume import resolve_load
 
-    recipe = load_recipe(args.recipe, args.overrides)
     if recipe.model.pretrained:  # a wrong or mismatched base checkpoint fails here, before any engine
         from megatron_rz.pretrained import check_pretrained
 
@@ -104,9 +104,10 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
     from megatron_rz.bench import main_bench
 
-    return main_bench(load_recipe(args.recipe, args.overrides), args.what, args.rounds)
+    return main_bench(recipe, args.what, args.rounds)
 
 
 def cmd_validate(args) -> int:
@@ -119,27 +120,42 @@ def cmd_validate(args) -> int:
 
 
 def cmd_make_model(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RecipeError(f"--out {args.out}: {'is a file' if not out.is_dir() else 'is not empty'}; "
+                          "name a new or empty directory (nothing there is replaced)")
+    if recipe.model.pretrained:
+        raise RecipeError(f"model.pretrained={recipe.model.pretrained!r}: make-model builds the tiny warm-start "
+                          "model; drop model.pretrained (that checkpoint is the model)")
     from megatron_rz.tiny_models import warm_start
 
-    recipe = load_recipe(args.recipe, args.overrides)
     info = warm_start(recipe, Path(args.out), seed=recipe.schedule.seed)
     print(json.dumps({"out": args.out, **info}))
     return 0
 
 
 def cmd_submit(args) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
     from megatron_rz.submit import submit
 
-    submit(load_recipe(args.recipe, args.overrides), dry_run=args.dry_run, run_dir=args.run_dir)
+    submit(recipe, dry_run=args.dry_run, run_dir=args.run_dir)
     return 0
 
 
 def cmd_plot(args) -> int:
-    from megatron_rz.metrics import plot_compare, plot_run
-
     missing = [d for d in args.run_dir if not (Path(d) / "metrics.jsonl").is_file()]
     if missing:
         raise RecipeError(f"no metrics.jsonl in {missing}: pass run directories written by rz train")
+    if args.labels and len(args.labels.split(",")) != len(args.run_dir):
+        raise RecipeError(f"--labels {args.labels!r} has {len(args.labels.split(','))} labels for "
+                          f"{len(args.run_dir)} run dirs; give one per run dir")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise RecipeError(f"--out {args.out} is a file; name a directory for the comparison plots")
+    from megatron_rz.metrics import check_metrics_file, plot_compare, plot_run
+
+    for d in args.run_dir:  # a truncated or foreign file: named with its line before any plot is drawn
+        check_metrics_file(Path(d) / "metrics.jsonl")
     if len(args.run_dir) == 1 and not args.out:
         written = plot_run(Path(args.run_dir[0]))
     else:
@@ -162,19 +178,54 @@ def _quiet() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+class UsageError(RecipeError):
+    """A command line argparse refuses (one line, exit 2, like every bad input)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message and exits; we want one line
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every bad input (recipe file, key, value, flag, run directory) ends here as one line on
+    stderr and exit code 2, before anything starts; RZ_DEBUG=1 or --debug adds the traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("RZ_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _main(argv)
+    except RecipeError as e:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"rz: error: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     _quiet()
-    # SIGTERM (scheduler, kill) -> SystemExit, so cleanup handlers run and no vLLM process leaks.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    parser = argparse.ArgumentParser(prog="rz", description="reinforce-zero: stable async RL on MoE models")
+    parser = _Parser(prog="rz", description="reinforce-zero: stable async RL on MoE models "
+                     "(--debug or RZ_DEBUG=1: tracebacks for errors)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="run a recipe end to end")
     _recipe_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("check", help="per-token logprob parity vLLM vs learner (exit 1 if aligned is not bitwise)")
     _recipe_args(p)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--prompts", type=_positive, default=16)
+    p.add_argument("--samples", type=_positive, default=4)
     p.add_argument("--inject-fault", metavar="SIDE:PARAM", default=None,
                    help="self-test of the localiser: scale one parameter (vllm:HF name or learner:Megatron "
                         "name) by 1+2^-8 on that side only; the report must name its layer and op")
@@ -182,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async lag 2 vs sync)")
     p.add_argument("what", choices=["rollout", "async"])
     _recipe_args(p)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=_positive, default=5)
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("validate", help="validate a recipe and print it resolved")
     _recipe_args(p)
@@ -209,11 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(w for w in rest if w not in extra) or ' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    try:
-        return args.fn(args)
-    except RecipeError as e:
-        print(f"rz: error: {e}", file=sys.stderr)
-        return 2
+    if args.cmd in ("train", "check", "bench"):
+        # SIGTERM (scheduler, kill) -> SystemExit, so cleanup handlers run and no vLLM process leaks.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return args.fn(args)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,31 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def check_metrics_file(path: Path) -> None:
+    """A RecipeError naming the file and line unless every line is a JSON object with a step."""
+    from megatron_rz.recipe import RecipeError
+
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path} cannot be read as text ({e}); is it a metrics.jsonl written by rz train?") from None
+    rows = 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"{path} line {n} is not JSON ({e.msg}): truncated or not written by rz train; "
+                              "delete that line or pass another run dir") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise RecipeError(f"{path} line {n} is not a metrics row (a JSON object with an integer step)")
+        rows += 1
+    if not rows:
+        raise RecipeError(f"{path} has no rows yet: nothing to plot")
+
+
 def plot_run(run_dir: Path) -> list[Path]:
     """Write the PNG plots for a run directory from its metrics.jsonl. Returns the files written."""
     import matplotlib

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from megatron_rz.cluster import ClusterConfig
 
@@ -28,6 +28,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Ranges of numeric fields. A value outside one fails in load_recipe with one line naming the key,
+# the value, the range and the default (see _format_errors), before anything starts.
+Pos = Annotated[int, Field(ge=1)]
+NonNeg = Annotated[int, Field(ge=0)]
+PosF = Annotated[float, Field(gt=0)]
+NonNegF = Annotated[float, Field(ge=0)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class ModelConfig(_Strict):
     """Architecture and sizes. `arch` picks the Hugging Face class both engines load natively."""
 
@@ -37,50 +46,50 @@ class ModelConfig(_Strict):
     # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
     # section (megatron_rz/pretrained.py checks it before anything starts).
     pretrained: str | None = None
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    vocab_size: int = 64
-    max_position_embeddings: int = 128
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
+    hidden_size: Pos = 64
+    num_layers: Pos = 2
+    num_attention_heads: Pos = 2
+    num_kv_heads: Pos = 2
+    head_dim: Pos = 32
+    vocab_size: Pos = 64
+    max_position_embeddings: Annotated[int, Field(ge=2)] = 128
+    rope_theta: PosF = 10000.0
+    rms_norm_eps: PosF = 1e-6
     dtype: Literal["float32", "bfloat16"] = "float32"
     tie_word_embeddings: bool = False
     # MoE; num_experts=0 (and top_k=0) is a dense model: every layer an MLP of dense_ffn_hidden_size
-    num_experts: int = 8
-    top_k: int = 2
-    moe_ffn_hidden_size: int = 64
-    num_shared_experts: int = 0
-    dense_ffn_hidden_size: int = 128  # for the first `first_k_dense` layers (DeepSeek)
-    first_k_dense: int = 0
+    num_experts: NonNeg = 8
+    top_k: NonNeg = 2
+    moe_ffn_hidden_size: Pos = 64
+    num_shared_experts: NonNeg = 0
+    dense_ffn_hidden_size: Pos = 128  # for the first `first_k_dense` layers (DeepSeek)
+    first_k_dense: NonNeg = 0
     router_score: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"  # sqrtsoftplus: deepseek_v4
     router_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free bias (noaux_tc)
-    router_num_groups: int = 1
-    router_group_topk: int = 1
-    routed_scaling_factor: float = 1.0
+    router_num_groups: Pos = 1
+    router_group_topk: Pos = 1
+    routed_scaling_factor: PosF = 1.0
     norm_topk_prob: bool = True
     # MLA (deepseek_v3 only)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 32
+    q_lora_rank: Pos | None = None
+    kv_lora_rank: Pos = 512
+    qk_nope_head_dim: Pos = 32
+    qk_rope_head_dim: Pos = 64
+    v_head_dim: Pos = 32
     # DeepSeek-V4 (deepseek_v4 only; Hugging Face DeepseekV4Config names). head_dim is the single
     # shared KV head's width, q_lora_rank the query low rank, qk_rope_head_dim its rotary part.
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    hc_mult: int = 4
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    sliding_window: int = 128
+    o_groups: Pos = 8
+    o_lora_rank: Pos = 1024
+    hc_mult: Pos = 4
+    index_n_heads: Pos = 64
+    index_head_dim: Pos = 128
+    sliding_window: Pos = 128
     compress_ratios: list[int] = []  # per layer: 0 sliding window only, 4 compressed sparse, 128 heavily compressed
     # Defaults below: the tiny config vLLM-CPU runs (recipes/tiny_dsv4.yaml); DeepSeek-V4-Flash has 3 hash layers.
-    num_hash_layers: int = 2  # the first N MoE layers route by a fixed token-id -> experts table (tid2eid)
-    index_topk: int = 512  # compressed entries each query keeps in compressed sparse layers (vLLM-CPU: 512)
-    compress_rope_theta: float = 160000.0  # RoPE base of the compressed (ratio > 1) layers
-    swiglu_limit: float = 10.0  # routed experts clamp their gate/up pre-activations to this
+    num_hash_layers: NonNeg = 2  # the first N MoE layers route by a fixed token-id -> experts table (tid2eid)
+    index_topk: Pos = 512  # compressed entries each query keeps in compressed sparse layers (vLLM-CPU: 512)
+    compress_rope_theta: PosF = 160000.0  # RoPE base of the compressed (ratio > 1) layers
+    swiglu_limit: PosF = 10.0  # routed experts clamp their gate/up pre-activations to this
     # Blockwise FP8 (DeepSeek-V3 / vLLM block quantisation) inside the models, aligned mode: every
     # attention projection and dense / shared / routed expert linear runs as an e4m3 GEMM with
     # 128x128 weight scales and per-token 1x128 activation scales (kernels/fp8.py); router gate,
@@ -91,6 +100,10 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if (self.num_experts == 0) != (self.top_k == 0):
+            raise ValueError(
+                f"model.num_experts={self.num_experts} with model.top_k={self.top_k}: a MoE model needs "
+                "top_k >= 1, a dense one num_experts=0 and top_k=0")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; lower model.top_k")
         if self.num_attention_heads % self.num_kv_heads:
@@ -213,30 +226,39 @@ class AlgoConfig(_Strict):
     name: Literal["reinforce_zero", "dapo", "tis", "icepop", "mis"] = "reinforce_zero"
     # dapo: clip-higher PPO-style ratio clipping, token-level aggregation, dynamic sampling,
     # overlong reward shaping.
-    dapo_eps_low: float = 0.2
-    dapo_eps_high: float = 0.28
+    dapo_eps_low: NonNegF = 0.2
+    dapo_eps_high: NonNegF = 0.28
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal and refill the batch
-    overlong_buffer: int = 0  # tokens before max_new_tokens where the length penalty ramps in
-    overlong_penalty: float = 1.0
+    overlong_buffer: NonNeg = 0  # tokens before max_new_tokens where the length penalty ramps in
+    overlong_penalty: NonNegF = 1.0
     # tis: truncated IS weight min(w, tis_cap); icepop: tokens with w outside [low, high] masked;
     # mis: whole responses whose sequence-level weight exceeds mis_threshold are dropped.
-    tis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 2.0
-    mis_threshold: float = 2.0
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    grad_clip: float = 1.0
-    micro_batch_size: int = 64  # sequences per learner forward
+    tis_cap: PosF = 2.0
+    icepop_low: NonNegF = 0.5
+    icepop_high: PosF = 2.0
+    mis_threshold: PosF = 2.0
+    lr: PosF = 1e-4
+    weight_decay: NonNegF = 0.0
+    adam_beta1: Beta = 0.9
+    adam_beta2: Beta = 0.999
+    grad_clip: NonNegF = 1.0
+    micro_batch_size: Pos = 64  # sequences per learner forward
+    # Non-finite guard: an update whose loss or gradient norm is NaN/inf is skipped (not applied;
+    # counted in metrics as skipped_updates); this many in a row stop the run with the reason.
+    max_bad_updates: Pos = 3
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"algo.icepop_low={self.icepop_low} must be < algo.icepop_high={self.icepop_high}")
+        return self
 
 
 class TaskConfig(_Strict):
     name: str = "arithmetic"  # built-in name, or "package.module:factory" for a user task
-    digits: int = 2
-    ops: list[Literal["+", "-", "*"]] = ["+"]
-    eval_prompts: int = 200
+    digits: Pos = 2
+    ops: Annotated[list[Literal["+", "-", "*"]], Field(min_length=1)] = ["+"]
+    eval_prompts: Pos = 200
     seed: int = 1234
     kwargs: dict[str, Any] = {}
 
@@ -244,10 +266,10 @@ class TaskConfig(_Strict):
 class WarmStartConfig(_Strict):
     """Supervised warm start on the task so RL starts with signal (seconds on CPU)."""
 
-    steps: int = 300
-    batch_size: int = 64
-    lr: float = 3e-3
-    tokenizer_vocab: int = 64
+    steps: NonNeg = 300
+    batch_size: Pos = 64
+    lr: PosF = 3e-3
+    tokenizer_vocab: Pos = 64
     # Share of warm-start examples whose answer is replaced by the task's distractor (a common
     # mistake, e.g. arithmetic without carrying) where the task has one. Above 0.5 the base model
     # prefers the mistake, so RL (which only sees the exact-match reward) has to overturn its
@@ -263,19 +285,12 @@ class WarmStartConfig(_Strict):
 
 
 class ScheduleConfig(_Strict):
-    steps: int = 40
-    seed: int = 0
+    steps: Pos = 40
+    seed: NonNeg = 0
     # Policy lag bound: the learner may train on samples generated up to max_lag updates ago.
     # 0 = synchronous (rollout, update, sync in turn); k > 0 = rollout and learner run at once.
-    max_lag: int = 0
-
-    @field_validator("max_lag", "steps")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("must be >= 0")
-        return v
-    eval_every: int = 0  # 0: evaluate only before and after the run
+    max_lag: NonNeg = 0
+    eval_every: NonNeg = 0  # 0: evaluate only before and after the run
 
 
 class LoggingConfig(_Strict):
@@ -288,7 +303,7 @@ class LoggingConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    every: int = 0  # 0: only at the end
+    every: NonNeg = 0  # 0: only at the end
     # a checkpoint dir to resume from, or "latest": the newest complete one in this run dir (none yet:
     # start fresh), which is what a requeued SLURM job uses
     load: str | None = None
@@ -314,6 +329,22 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _cross(self) -> Recipe:
         m, p = self.model, self.parallel
+        _check_ranges(self)
+        if not self.name or not set(self.name) <= _NAME_CHARS:
+            raise ValueError(f"name={self.name!r}: use letters, digits and _ . - (it names the run directory)")
+        try:
+            self.logging.run_dir.format(name=self.name)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"logging.run_dir={self.logging.run_dir!r}: only {{name}} may be substituted ({e!r}); "
+                             "e.g. logging.run_dir=runs/{name}") from None
+        if self.algo.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer={self.algo.overlong_buffer} must be < rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}; lower it (0 disables the length penalty)")
+        if self.rollout.max_new_tokens >= m.max_position_embeddings:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for the prompt in "
+                f"model.max_position_embeddings={m.max_position_embeddings}; lower it or raise the context")
         if self.mode == "aligned" and self.rollout.dtype not in (None, m.dtype):
             raise ValueError(
                 f"rollout.dtype={self.rollout.dtype} differs from model.dtype={m.dtype}: aligned mode computes "
@@ -347,20 +378,65 @@ class Recipe(_Strict):
         return Path(self.logging.run_dir.format(name=self.name))
 
 
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+# Ranges of the fields of sections declared with plain types (the rollout section): (key, min, strict).
+_RANGES = [
+    ("rollout.num_engines", 1, False), ("rollout.tensor_parallel_size", 1, False),
+    ("rollout.prompts_per_step", 1, False), ("rollout.max_new_tokens", 1, False),
+    ("rollout.max_num_seqs", 1, False), ("rollout.verify_every", 1, False), ("rollout.kv_cache_gb", 0, True),
+]
+
+
+def _check_ranges(recipe: Recipe) -> None:
+    for key, low, strict in _RANGES:
+        section, _, field = key.partition(".")
+        v = getattr(getattr(recipe, section), field, None)
+        if v is None or (v > low if strict else v >= low):
+            continue
+        default = type(getattr(recipe, section)).model_fields[field].default
+        raise ValueError(f"{key}={v}: must be {'>' if strict else '>='} {low}; e.g. {key}={default} (the default)")
+
+
 # ---------------------------------------------------------------- loading and overrides
 
 
 def _parse_value(text: str) -> Any:
-    # YAML scalars: 3e-5 -> float, true -> bool, [1,2] -> list; keep plain strings as they are.
-    value = yaml.safe_load(text)
+    # YAML scalars: 3e-5 -> float, true -> bool, [1,2] -> list; keep plain strings as they are
+    # (and text YAML cannot parse, e.g. "[+": the schema then names the key and the type it wants).
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
     return text if value is None and text not in ("null", "~", "") else value
+
+
+def _section(parts: list[str]) -> type[BaseModel] | None:
+    """The schema class at a dotted path (None below a free-form field such as task.kwargs)."""
+    model: type[BaseModel] | None = Recipe
+    for part in parts:
+        if model is None or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def _has_keys(ann) -> bool:
+    """A field holding keys below it: a section, or a free-form mapping such as task.kwargs."""
+    import typing
+
+    return (isinstance(ann, type) and issubclass(ann, (BaseModel, dict))) or typing.get_origin(ann) is dict
 
 
 def apply_override(data: dict, dotted: str) -> None:
     if "=" not in dotted:
         raise RecipeError(f"override {dotted!r} is not key.path=value (e.g. algo.lr=3e-5)")
     key, _, raw = dotted.partition("=")
-    parts = key.strip().split(".")
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts):
+        raise RecipeError(f"override {dotted!r}: {key!r} is not a key path (e.g. algo.lr=3e-5)")
     node: Any = data
     model: type[BaseModel] | None = Recipe
     for i, part in enumerate(parts):
@@ -371,30 +447,92 @@ def apply_override(data: dict, dotted: str) -> None:
             hint = f"; did you mean {'.'.join(parts[:i] + close)!r}?" if close else f"; valid keys: {', '.join(fields)}"
             raise RecipeError(f"unknown key {key!r}: {where} has no {part!r}{hint}")
         ann = fields[part].annotation if model is not None else None
+        if model is not None and i < len(parts) - 1 and not _has_keys(ann):
+            raise RecipeError(
+                f"override {dotted!r}: {'.'.join(parts[: i + 1])} is a value, not a section with keys; "
+                f"set it as {'.'.join(parts[: i + 1])}=VALUE")
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         if i == len(parts) - 1:
             node[part] = _parse_value(raw)
         else:
-            node = node.setdefault(part, {})
+            child = node.setdefault(part, {})
+            if child is None:  # `model:` with nothing under it in the YAML
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(
+                    f"override {dotted!r}: {'.'.join(parts[: i + 1])} is the value {child!r}, not a section "
+                    "with keys; override it whole or drop the extra key path")
+            node = child
+
+
+_OPS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_LIMIT = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
+
+
+def _one_error(e: dict) -> str:
+    loc = ".".join(str(x) for x in e["loc"]) or "(recipe)"
+    msg = e["msg"].removeprefix("Value error, ")
+    parent = _section([str(x) for x in e["loc"][:-1]])
+    leaf = str(e["loc"][-1]) if e["loc"] else ""
+    field = parent.model_fields.get(leaf) if parent is not None else None
+    if e["type"] == "extra_forbidden":
+        known = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(leaf, known, n=1)
+        return f"{loc}: unknown key; " + (f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(known)}")
+    section = field is not None and _has_keys(field.annotation)
+    if e["type"] in ("model_type", "dict_type"):
+        return f"{loc}={e.get('input')!r}: must be a section of `key: value` lines, not a single value"
+    if e["type"].startswith("model_") or e["type"] == "value_error" and (field is None or section):
+        return f"{loc}: {msg}" if loc != "(recipe)" else msg  # cross-field checks name their keys
+    value = e.get("input")
+    shown = repr(value) if isinstance(value, str) else value
+    fix = ""
+    if e["type"] in _OPS:
+        msg = f"must be {_OPS[e['type']]} {e['ctx'][_LIMIT[e['type']]]}"
+    if field is not None and not isinstance(field.default, BaseModel):
+        fix = f"; e.g. {loc}={field.default} (the default)"
+    if isinstance(value, (dict, list)) and len(repr(value)) > 60:
+        shown = type(value).__name__
+    return f"{loc}={shown}: {msg}{fix}"
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid recipe {source}:"]
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(recipe)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            parent = Recipe
-            for part in e["loc"][:-1]:
-                ann = parent.model_fields[part].annotation if part in parent.model_fields else None
-                parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-                if parent is None:
-                    break
-            known = list(parent.model_fields) if parent else []
-            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
-            msg = f"unknown key; " + (f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(known)}")
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
+    """One line: every problem, each naming its key, its value and what to set instead."""
+    problems = [_one_error(e) for e in err.errors()]
+    head = f"invalid recipe {source}" + (f" ({len(problems)} problems)" if len(problems) > 1 else "")
+    return f"{head}: " + " | ".join(p.replace("\n", " ") for p in problems)
+
+
+def read_recipe_file(path: str | Path) -> dict:
+    """The recipe file as a mapping, or a RecipeError naming what is wrong with the file."""
+    p = Path(path)
+    fix = "start from one of recipes/*.yaml"
+    if p.is_dir():
+        raise RecipeError(f"recipe {str(p)!r} is a directory, not a YAML file; {fix}")
+    if not p.is_file():
+        raise RecipeError(f"recipe file {str(p)!r} not found; the shipped recipes are in recipes/*.yaml")
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe {p} is not a text file (not UTF-8); {fix}") from None
+    except OSError as e:
+        raise RecipeError(f"recipe {p} cannot be read ({e.strerror}); check its permissions") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or type(e).__name__
+        raise RecipeError(f"recipe {p} is not valid YAML{where}: {what}; fix the file ({fix})") from None
+    if data is None:
+        raise RecipeError(f"recipe {p} is empty: an empty file is no recipe (defaults are not guessed); {fix}")
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {p} must be a YAML mapping (key: value) at top level, not a "
+                          f"{type(data).__name__}; {fix}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise RecipeError(f"recipe {p}: top-level key {bad[0]!r} is not a name; keys are section names such as model, algo")
+    return data
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
@@ -402,13 +540,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     data: dict = {}
     source = "(defaults)"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise RecipeError(f"recipe file {str(p)!r} not found; the shipped recipes are in recipes/*.yaml")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise RecipeError(f"recipe {p} must be a YAML mapping at top level")
-        source = str(p)
+        data = read_recipe_file(path)
+        source = str(path)
     for ov in overrides:
         apply_override(data, ov)
     try:

@@ -1,0 +1,154 @@
+"""The bad-input battery: every wrong recipe file, key, value, flag or run directory ends as ONE line
+on stderr naming the problem, exit code 2, no traceback, and nothing written or deleted.
+
+Every case calls the CLI's `main` in-process (it must fail before any engine, Megatron or torch
+import), from an empty working directory whose tree is compared before and after."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rz import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "recipes" / "tiny_moe.yaml")
+
+FILES = {
+    "notyaml.yaml": "model: [1, 2\nalgo: {lr: 3\n",
+    "empty.yaml": "",
+    "comments.yaml": "# only a comment\n",
+    "list.yaml": "- model\n- algo\n",
+    "scalar.yaml": "42\n",
+    "typo.yaml": "rollout:\n  temperture: 0.7\n",
+    "wrongtype.yaml": "algo:\n  lr: fast\n",
+    "section_scalar.yaml": "model: 3\n",
+    "neg_lr.yaml": "algo:\n  lr: -1\n",
+    "intkey.yaml": "1: 2\n",
+    "binary.yaml": b"\xff\xfe\x00\x81garbage",
+    "run/metrics.jsonl": '{"step": 1, "reward_mean": 0.5}\n{"step": 2, "rew',  # truncated (killed writer)
+    "foreign/metrics.jsonl": "[1, 2, 3]\n",
+    "nonempty/keep.txt": "keep me\n",
+}
+
+# (argv, fragments that the one line must contain)
+CASES = [
+    # files that are no recipe
+    (["validate", "notyaml.yaml"], ["not valid YAML", "line"]),
+    (["train", "empty.yaml"], ["empty"]),
+    (["validate", "comments.yaml"], ["empty"]),
+    (["check", "list.yaml"], ["mapping", "list"]),
+    (["validate", "scalar.yaml"], ["mapping", "int"]),
+    (["validate", "binary.yaml"], ["not a text file"]),
+    (["validate", "intkey.yaml"], ["top-level key 1"]),
+    (["train", "missing.yaml"], ["not found"]),
+    (["validate", "nonempty"], ["is a directory"]),
+    # unknown keys and wrong types, in the file and as overrides
+    (["train", "typo.yaml"], ["rollout.temperture", "temperature"]),
+    (["validate", "wrongtype.yaml"], ["algo.lr='fast'", "valid number", "algo.lr=0.0001"]),
+    (["validate", "section_scalar.yaml"], ["model=3", "section"]),
+    (["train", TINY, "algo.learning_rate=1e-4"], ["algo.learning_rate", "valid keys", " lr,"]),
+    (["validate", TINY, "foo.bar=1"], ["'foo.bar'", "valid keys"]),
+    (["validate", TINY, "algo.lr.x=1"], ["algo.lr is a value"]),
+    (["validate", TINY, "algo"], ["not key.path=value"]),
+    (["validate", TINY, "=3"], ["not a key path"]),
+    (["validate", TINY, "schedule.steps=ten"], ["schedule.steps='ten'", "integer"]),
+    # ranges
+    (["train", "neg_lr.yaml"], ["algo.lr=-1", "> 0"]),
+    (["train", TINY, "algo.lr=0"], ["algo.lr=0", "> 0"]),
+    (["train", TINY, "schedule.steps=0"], ["schedule.steps=0", ">= 1"]),
+    (["bench", "rollout", TINY, "rollout.temperature=0"], ["rollout.temperature=0", "> 0"]),
+    (["check", TINY, "rollout.top_p=0"], ["rollout.top_p", "(0, 1]"]),
+    (["validate", TINY, "rollout.top_p=1.5"], ["rollout.top_p=1.5"]),
+    (["train", TINY, "rollout.max_new_tokens=0"], ["rollout.max_new_tokens=0", ">= 1"]),
+    (["validate", TINY, "rollout.kv_cache_gb=0"], ["rollout.kv_cache_gb=0", "> 0"]),
+    (["validate", TINY, "rollout.samples_per_prompt=1"], ["samples_per_prompt", "group"]),
+    (["train", TINY, "model.hidden_size=0"], ["model.hidden_size=0", ">= 1"]),
+    (["validate", TINY, "model.num_layers=-2"], ["model.num_layers=-2"]),
+    (["validate", TINY, "algo.micro_batch_size=0"], ["algo.micro_batch_size=0"]),
+    (["validate", TINY, "algo.adam_beta2=1.0"], ["algo.adam_beta2=1.0", "< 1"]),
+    (["validate", TINY, "warm_start.lr=-0.1"], ["warm_start.lr=-0.1"]),
+    (["validate", TINY, "task.eval_prompts=0"], ["task.eval_prompts=0"]),
+    (["validate", TINY, "checkpoint.every=-1"], ["checkpoint.every=-1", ">= 0"]),
+    (["validate", TINY, "schedule.max_lag=-1"], ["schedule.max_lag=-1"]),
+    (["validate", TINY, "algo.max_bad_updates=0"], ["algo.max_bad_updates=0"]),
+    (["validate", TINY, "algo.icepop_low=3"], ["icepop_low=3", "icepop_high"]),
+    (["validate", TINY, "task.ops=[]"], ["task.ops"]),
+    # sizes that do not fit together
+    (["train", TINY, "parallel.ep=3"], ["ep*etp=3", "tp*dp"]),
+    (["validate", TINY, "model.top_k=9"], ["top_k=9", "num_experts"]),
+    (["validate", TINY, "model.num_experts=0"], ["num_experts=0", "top_k"]),
+    (["validate", TINY, "model.vocab_size=8"], ["tokenizer_vocab", "vocab_size"]),
+    (["validate", TINY, "rollout.max_new_tokens=500"], ["max_new_tokens=500", "max_position_embeddings"]),
+    (["submit", TINY, "--dry-run", "model.head_dim=16"], ["head_dim=16"]),
+    (["validate", TINY, "name=../elsewhere"], ["name='../elsewhere'"]),
+    (["train", TINY, "logging.run_dir=runs/{oops}"], ["logging.run_dir", "{name}"]),
+    # flags and the other commands
+    (["check", TINY, "--prompts", "0"], ["--prompts", ">= 1"]),
+    (["bench", "rollout", TINY, "--rounds", "x"], ["--rounds", "whole number"]),
+    (["bench", "sideways", TINY], ["sideways"]),
+    (["frobnicate"], ["frobnicate"]),
+    (["train"], ["required", "recipe"]),
+    (["train", TINY, "--no-such-flag"], ["--no-such-flag"]),
+    (["make-model", TINY, "--out", "nonempty"], ["--out nonempty", "not empty"]),
+    (["make-model", TINY, "--out", "fresh", "warm_start.batch_size=0"], ["warm_start.batch_size=0"]),
+    (["plot", "nowhere"], ["no metrics.jsonl"]),
+    (["plot", "run"], ["line 2", "not JSON"]),
+    (["plot", "foreign"], ["line 1", "not a metrics row"]),
+    (["plot", "run", "foreign", "--labels", "a,b,c"], ["3 labels", "2 run dirs"]),
+]
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch):
+    for name, text in FILES.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(text) if isinstance(text, bytes) else p.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RZ_DEBUG", raising=False)
+    return tmp_path
+
+
+def test_battery_is_large_enough():
+    assert len(CASES) >= 30 and {a[0] for a, _ in CASES} >= {
+        "train", "check", "bench", "submit", "validate", "make-model", "plot"}
+
+
+@pytest.mark.parametrize("argv, fragments", CASES, ids=[" ".join(a).replace(TINY, "tiny") for a, _ in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_touched(workdir, capsys, argv, fragments):
+    before = _tree(workdir)
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rz: error: "), err
+    assert "Traceback" not in err + out
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert _tree(workdir) == before, "a bad input wrote or deleted something"
+
+
+def test_debug_shows_the_traceback(workdir, capsys):
+    assert cli.main(["validate", TINY, "algo.lr=-1", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("rz: error: ")
+
+
+def test_real_entry_point_prints_one_line(tmp_path):
+    """The same through `python -m megatron_rz.cli` (what `rz` runs): no traceback, exit code 2."""
+    (tmp_path / "empty.yaml").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "RZ_DEBUG"}
+    res = subprocess.run([sys.executable, "-m", "megatron_rz.cli", "train", "empty.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "empty" in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
