@@ -1,6 +1,7 @@
 """`rz`: the command line.
 
-    rz train RECIPE [key.path=value ...]     run a recipe (torchrun is started for tp*dp > 1)
+    rz train RECIPE [key.path=value ...]     run a recipe (torchrun is started for tp*dp > 1); a run dir
+             [--overwrite]                   holding another run's results is refused (megatron_rz.rundir)
     rz check RECIPE [overrides]              per-token logprob parity, vLLM vs learner
     rz bench rollout RECIPE [overrides]      rollout step time aligned vs fast (ratio, one run)
     rz bench async RECIPE [overrides]        updates/s async (max_lag 2) vs sync (ratio, one run)
@@ -66,6 +67,18 @@ def _relaunch_under_torchrun(recipe, argv: list[str]) -> int | None:
     return subprocess.call(cmd)
 
 
+def _claim(recipe, args):
+    """The run dir for this run (megatron_rz.rundir), claimed once per run: by this process, or under
+    torchrun by global rank 0 unless the `rz` that started torchrun holds it already."""
+    from megatron_rz.rundir import claim_run_dir
+
+    if os.environ.get("RZ_RUN_DIR_CLAIMED") == str(recipe.run_dir.resolve()) or os.environ.get("RANK", "0") != "0":
+        return None
+    lock = claim_run_dir(recipe, overwrite=args.overwrite, argv=["train", args.recipe, *args.overrides])
+    os.environ["RZ_RUN_DIR_CLAIMED"] = str(recipe.run_dir.resolve())  # for the torchrun ranks
+    return lock
+
+
 def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from megatron_rz.resume import resolve_load
@@ -78,12 +91,19 @@ def cmd_train(args) -> int:
         resolve_load(recipe.checkpoint.load, recipe.run_dir)
     except FileNotFoundError as e:
         raise RecipeError(str(e)) from None
-    rc = _relaunch_under_torchrun(recipe, ["train", args.recipe, *args.overrides])
-    if rc is not None:
-        return rc
-    from megatron_rz.trainer import train
+    lock = _claim(recipe, args)
+    try:
+        extra = ["--overwrite"] if args.overwrite else []
+        rc = _relaunch_under_torchrun(recipe, ["train", args.recipe, *args.overrides, *extra])
+        if rc is not None:
+            return rc
+        from megatron_rz.trainer import train
 
-    summary = train(recipe)
+        summary = train(recipe)
+    finally:
+        if lock is not None:
+            lock.release()
+            os.environ.pop("RZ_RUN_DIR_CLAIMED", None)
     if summary:
         _print_summary(summary)
         print(json.dumps(summary))
@@ -221,6 +241,8 @@ def _main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="run a recipe end to end")
     _recipe_args(p)
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the results of an earlier run in the run dir first (else rz train refuses)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("check", help="per-token logprob parity vLLM vs learner (exit 1 if aligned is not bitwise)")
     _recipe_args(p)

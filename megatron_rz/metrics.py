@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,11 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
-            self.path.unlink()
+            # A fresh start over an earlier file (checkpoint.load=latest before any checkpoint; rz
+            # train's run-dir check refuses the other cases): keep it beside, never delete it.
+            aside = self.path.with_name(f"metrics.jsonl.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.path.rename(aside)
+            print(f"[rz] starting over: the earlier {self.path.name} is kept as {aside.name}", flush=True)
         self.run = None
         if recipe.logging.wandb and recipe.logging.wandb_mode != "disabled":
             import wandb

@@ -169,18 +169,22 @@ class RolloutSide:
 
 
 def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
-    """The starting checkpoint: model.pretrained (checked against the recipe), else made once per run
-    dir (tokenizer + random init + SFT warm start)."""
-    from megatron_rz.tiny_models import warm_start
+    """The starting checkpoint: model.pretrained (checked against the recipe), else the tiny model
+    (tokenizer + random init + SFT warm start) made for this recipe's base-model hash: base_model/
+    when it was made from the same settings, else base_model-<hash>/ (megatron_rz.rundir)."""
+    from megatron_rz.rundir import base_model_dir, build_base_model
 
     if recipe.model.pretrained:
         from megatron_rz.pretrained import check_pretrained
 
         return check_pretrained(recipe)
-    base = run_dir / "base_model"
-    if not (base / "config.json").exists():
+    base, missing = base_model_dir(recipe, run_dir)
+    if base.name != "base_model" and _rank() == 0:
+        print(f"[rz] {run_dir / 'base_model'} was made from other model/task/warm-start settings: "
+              f"{'making' if missing else 'using'} {base}", flush=True)
+    if missing:
         if _rank() == 0:
-            info = warm_start(recipe, base, seed=recipe.schedule.seed, progress=recipe.logging.progress)
+            info = build_base_model(recipe, base, progress=recipe.logging.progress)
             print(f"[rz] warm start done: {json.dumps(info)}", flush=True)
         if dist.is_initialized():
             dist.barrier()
