@@ -636,6 +636,7 @@ def train_async(recipe: Recipe) -> dict:
     from tqdm import tqdm
 
     from megatron_rz.diagnostics import RunningRatio, mismatch_stats
+    from megatron_rz.guards import install_nonfinite_guard
     from megatron_rz.learner import Learner
     from megatron_rz.losses import make_loss_fn
     from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
@@ -694,7 +695,8 @@ def train_async(recipe: Recipe) -> dict:
                 logger.log(start_step, {"eval_reward": eval_before})
             else:
                 eval_before = logged_eval_before(earlier)
-        loss_fn = make_loss_fn(recipe.algo)
+        guard = install_nonfinite_guard(learner)  # NaN/inf loss or gradients: the update is skipped, counted
+        loss_fn = guard.wrap_loss(make_loss_fn(recipe.algo))
         d3_ratio = RunningRatio()
         for r in earlier if rank0 else []:  # a resumed run continues the same running statistic
             if "d3" in r:
@@ -731,6 +733,7 @@ def train_async(recipe: Recipe) -> dict:
             out = _train_step(learner, batch, loss_fn, recipe)
             # the learner logprobs the loss used (weights at `version`, before the update)
             learner_logp = out.pop("logprobs")
+            guard.after_update(out, step + 1)  # raises RunStopped after algo.max_bad_updates in a row
             stats = mismatch_stats(learner_logp, batch.old_logprobs, batch.loss_mask)
             t2 = time.perf_counter()
 

@@ -223,8 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("RZ_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
+    from megatron_rz.guards import RunStopped
+
     try:
         return _main(argv)
+    except RunStopped as e:  # a run that stopped itself with the reason (e.g. non-finite updates)
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"rz: stopped: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
+        return 1
     except RecipeError as e:
         if debug:
             import traceback

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_rz.batch_filters import flatten_groups, overlong_shaping, refill_groups, token_weights_for_token_mean
 from megatron_rz.diagnostics import RunningRatio, mismatch_stats
+from megatron_rz.guards import install_nonfinite_guard
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
 from megatron_rz.recipe import Recipe, RecipeError, dump_recipe
@@ -236,7 +237,8 @@ def train(recipe: Recipe) -> dict:
             side.engine.update_weights(weights.items(), version=learner.version)
     earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if (rank0 and start_step) else []
     logger = MetricsLogger(recipe, run_dir, resume=bool(start_step)) if rank0 else None
-    loss_fn = make_loss_fn(recipe.algo)
+    guard = install_nonfinite_guard(learner)  # NaN/inf loss or gradients: the update is skipped, counted
+    loss_fn = guard.wrap_loss(make_loss_fn(recipe.algo))
     d3_ratio = RunningRatio()
     for r in earlier:  # a resumed run continues the same running statistic
         if "d3" in r:
@@ -274,6 +276,7 @@ def train(recipe: Recipe) -> dict:
         # The learner's logprobs that the loss used, on the weights that generated the batch: at
         # lag 0 every difference from the rollout logprobs is kernel mismatch.
         stats = mismatch_stats(out.pop("logprobs"), batch.old_logprobs, batch.loss_mask)
+        guard.after_update(out, step + 1)  # raises RunStopped after algo.max_bad_updates in a row
         t2 = time.perf_counter()
 
         # The stream is collective (TP/EP gathers): every rank walks it; rank 0 holds the full tensors.
