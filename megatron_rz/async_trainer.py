@@ -701,6 +701,9 @@ def train_async(recipe: Recipe) -> dict:
         for r in earlier if rank0 else []:  # a resumed run continues the same running statistic
             if "d3" in r:
                 d3_ratio.add(r["d3"])
+        from megatron_rz.preemption import arm_sigterm_checkpoint
+
+        arm_sigterm_checkpoint()  # from here SIGTERM checkpoints the current step, then exits
         bar = tqdm(range(start_step, recipe.schedule.steps), desc=f"REINFORCE Zero async (lag<={max_lag})",
                    disable=not (rank0 and recipe.logging.progress))
         for step in bar:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -292,8 +291,11 @@ def _main(argv: list[str]) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     if args.cmd in ("train", "check", "bench"):
-        # SIGTERM (scheduler, kill) -> SystemExit, so cleanup handlers run and no vLLM process leaks.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        # SIGTERM (scheduler, kill) -> SystemExit, so cleanup handlers run and no vLLM process leaks;
+        # the trainers' loops turn it into checkpoint-then-exit (megatron_rz.preemption).
+        from megatron_rz.preemption import install_sigterm_exit
+
+        install_sigterm_exit()
     return args.fn(args)
 
 

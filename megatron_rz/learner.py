@@ -293,12 +293,16 @@ class Learner:
         d.mkdir(parents=True, exist_ok=True)
         state = self.state_dict_for_checkpoint()
         state["step"] = self.version if step is None else int(step)
-        torch.save(state, d / f"rank{dist.get_rank():05d}.pt")
+        from megatron_rz.resume import COMPLETE, mark_complete, write_digest
+
+        if dist.get_rank() == 0:  # re-saving a step: it is not complete until rewritten below
+            (d / COMPLETE).unlink(missing_ok=True)
+        path = d / f"rank{dist.get_rank():05d}.pt"
+        torch.save(state, path)
+        write_digest(path)  # each rank hashes its own file
         dist.barrier()
         if dist.get_rank() == 0:  # every rank's file is on disk: mark the checkpoint usable
-            from megatron_rz.resume import COMPLETE
-
-            (d / COMPLETE).write_text(f"step {state['step']}\n")
+            mark_complete(d, state["step"])  # step + every file's size and digest (resume.verify_checkpoint)
         dist.barrier()
         return d
 

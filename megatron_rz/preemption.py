@@ -11,6 +11,12 @@ all-reduce, so all of them save the same step (save_checkpoint is collective too
 PREEMPTED in the run dir and raises SystemExit(0); the batch script sees PREEMPTED, runs
 `scontrol requeue`, and the requeued job starts `rz train ... checkpoint.load=latest`, which
 resumes from that checkpoint (megatron_rz.resume).
+
+SIGTERM on a learner (kill, scancel, a scheduler's stop): `rz train` exits at once (143) until the
+training loop starts; from then on (`arm_sigterm_checkpoint`, called by both trainers before their
+loop) the first SIGTERM is a request like SIGUSR1's: the ranks checkpoint the step they are on and
+exit with 143, without the PREEMPTED marker (nothing requeues a stopped run); a second SIGTERM
+exits at once.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ MARKER = "PREEMPTED"  # in the run dir: this run stopped for preemption after ch
 
 _signalled = False
 _installed = False
+_terminated = False  # a SIGTERM arrived while armed: checkpoint, then exit 143
 
 
 def _on_usr1(signum, frame) -> None:
@@ -44,9 +51,33 @@ def install() -> None:
 install()
 
 
+def _exit_now(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _on_term(signum, frame) -> None:
+    global _terminated
+    if _terminated:  # the second SIGTERM: stop now
+        raise SystemExit(128 + signum)
+    _terminated = True
+    print("[rz] SIGTERM: checkpointing after this update, then exiting (send it again to stop at once)", flush=True)
+
+
+def install_sigterm_exit() -> None:
+    """SIGTERM -> SystemExit(143), so cleanup handlers run and no vLLM process leaks (rz's default)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_now)
+
+
+def arm_sigterm_checkpoint() -> None:
+    """From here on the first SIGTERM asks for a checkpoint at the next step boundary."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_term)
+
+
 def requested_locally() -> bool:
     path = os.environ.get(PREEMPT_FILE_ENV)
-    return _signalled or bool(path and os.path.exists(path))
+    return _signalled or _terminated or bool(path and os.path.exists(path))
 
 
 def _agree(flag: bool) -> bool:
@@ -74,7 +105,13 @@ def checkpoint_and_exit_if_requested(learner, run_dir, step: int, total_steps: i
     import torch.distributed as dist
 
     d = learner.save_checkpoint(checkpoint_dir(Path(run_dir), step), step=step)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if _terminated:  # SIGTERM: a stop, not a preemption (no requeue marker)
+        if rank0:
+            print(f"[rz] stopped by SIGTERM: checkpoint {d} written at step {step}; resume with "
+                  "checkpoint.load=latest", flush=True)
+        raise SystemExit(128 + signal.SIGTERM)
+    if rank0:
         (Path(run_dir) / MARKER).write_text(f"{step}\n")
         print(f"[rz] preempted: checkpoint {d} written at step {step}; exiting for requeue", flush=True)
     raise SystemExit(0)

@@ -3,16 +3,21 @@
 - Data order is a pure function of (seed, step): `step_rng` gives each step its own generator, so
   a run resumed at step s draws exactly the prompts the uninterrupted run drew at s, s+1, ...
   (rollout sampling seeds are already per step, see RolloutSide.collect).
-- Checkpoints are complete or ignored: `save_checkpoint` writes a COMPLETE marker after every rank
-  has written its file; `checkpoint.load: latest` picks the newest complete one in the run dir
-  (a run killed while saving falls back to the one before).
+- Checkpoints are complete and intact or ignored: every rank writes its file and a digest of it
+  (`write_digest`), then rank 0 writes the COMPLETE marker (`mark_complete`: the step and every
+  file's size and BLAKE2b digest, written atomically). `checkpoint.load: latest` picks the newest
+  checkpoint that verifies (`verify_checkpoint`): one killed while saving (no marker), with a
+  missing, truncated or corrupted file, or with a torn marker is named and skipped for the one
+  before. RZ_CKPT_VERIFY=size checks sizes only (no re-read of the files: for very large runs).
 - metrics.jsonl keeps the rows up to the resumed step and drops the ones a killed run wrote after
   its last checkpoint, so the file reads like one uninterrupted run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -32,11 +37,78 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """Newest complete checkpoint under run_dir/checkpoints, or None."""
+DIGEST_SUFFIX = ".blake2b"
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_digest(path: Path) -> None:
+    """Each rank, right after writing its checkpoint file: its digest beside it (ranks hash in parallel)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + DIGEST_SUFFIX + ".tmp")
+    tmp.write_text(file_digest(path))
+    os.replace(tmp, path.with_name(path.name + DIGEST_SUFFIX))
+
+
+def mark_complete(ckpt_dir: Path, step: int) -> None:
+    """Rank 0, once every rank's file and digest are on disk: the COMPLETE manifest, atomically."""
+    d = Path(ckpt_dir)
+    files = {}
+    for f in sorted(d.iterdir()):
+        if f.name == COMPLETE or f.name.endswith((DIGEST_SUFFIX, ".tmp")) or not f.is_file():
+            continue
+        side = f.with_name(f.name + DIGEST_SUFFIX)
+        files[f.name] = {"size": f.stat().st_size,
+                         "blake2b": side.read_text().strip() if side.is_file() else file_digest(f)}
+    tmp = d / (COMPLETE + ".tmp")
+    tmp.write_text(json.dumps({"step": int(step), "files": files}, indent=1))
+    os.replace(tmp, d / COMPLETE)
+
+
+def verify_checkpoint(ckpt_dir: Path, hashes: bool | None = None) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it (naming the file).
+    A marker without a manifest (written before manifests existed) counts as complete."""
+    d = Path(ckpt_dir)
+    marker = d / COMPLETE
+    if not marker.is_file():
+        return f"no {COMPLETE} marker (killed while saving)"
+    text = marker.read_text(errors="replace")
+    if not text.lstrip().startswith("{"):
+        return None if text.startswith("step ") else f"{COMPLETE} marker is unreadable"
+    try:
+        files = json.loads(text)["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{COMPLETE} marker is torn or unreadable"
+    if hashes is None:
+        hashes = os.environ.get("RZ_CKPT_VERIFY", "hash") != "size"
+    for name, want in files.items():
+        f = d / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} has {f.stat().st_size} bytes, {want['size']} were written (truncated or overwritten)"
+        if hashes and file_digest(f) != want["blake2b"]:
+            return f"{name} is corrupted (its BLAKE2b digest differs from the one written with it)"
+    return None
+
+
+def latest_checkpoint(run_dir: Path, log=print) -> Path | None:
+    """Newest checkpoint under run_dir/checkpoints that verifies, or None; each newer one that does
+    not is named with the reason."""
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).exists()) if root.is_dir() else []
-    return done[-1] if done else None
+    cands = sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []
+    for p in cands:
+        why = verify_checkpoint(p)
+        if why is None:
+            return p
+        log(f"[rz] checkpoint {p} skipped: {why}")
+    return None
 
 
 def resolve_load(load: str | None, run_dir: Path) -> Path | None:
@@ -60,6 +132,10 @@ def resolve_load(load: str | None, run_dir: Path) -> Path | None:
             f"checkpoint.load={load!r} is incomplete (no {COMPLETE} marker: the run was killed while saving "
             "it); use an earlier checkpoint or checkpoint.load=latest"
         )
+    why = verify_checkpoint(p)
+    if why is not None:
+        raise FileNotFoundError(f"checkpoint.load={load!r} cannot be used: {why}; use an earlier checkpoint "
+                                "or checkpoint.load=latest (which skips it)")
     return p
 
 

@@ -251,6 +251,9 @@ def train(recipe: Recipe) -> dict:
         if eval_before is None:
             eval_before = side.evaluate()
             logger.log(start_step, {"eval_reward": eval_before})
+    from megatron_rz.preemption import arm_sigterm_checkpoint
+
+    arm_sigterm_checkpoint()  # from here SIGTERM checkpoints the current step, then exits
     steps = range(start_step, recipe.schedule.steps)
     bar = tqdm(steps, desc="REINFORCE Zero", disable=not (rank0 and recipe.logging.progress))
     for step in bar:
