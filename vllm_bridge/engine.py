@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from vllm_bridge.samples import Sample
-from vllm_bridge.worker_ext import is_readable_name, tensor_checksum
+from vllm_bridge.worker_ext import is_readable_name, tensor_bits, tensor_checksum
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -661,13 +661,16 @@ def check_weights(named_tensors, checksums, version: int, *, rtol: float = 1e-6,
         g = got.get(name)
         if g is None or list(t.shape) != g["shape"]:
             continue
-        s, ws = tensor_checksum(t.to(getattr(torch, g["dtype"])))
+        same_dtype = t.to(getattr(torch, g["dtype"]))
+        s, ws = tensor_checksum(same_dtype)
         scale = float(t.detach().double().abs().sum()) + 1e-12
         err = max(abs(s - g["sum"]), abs(ws - g["wsum"])) / scale
         max_rel = max(max_rel, err)
         checked.append(name)
         if not math.isfinite(err) or err > rtol:
             bad.append(f"{name} (rel err {err:.3g})")
+        elif "bits" in g and tensor_bits(same_dtype) != g["bits"]:  # exact: any changed byte
+            bad.append(f"{name} (bytes differ; rel err only {err:.3g})")
     if bad:
         raise WeightSyncError(
             f"engine weights differ from the learner's after sync to version {version}: "

@@ -39,6 +39,27 @@ def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
     return float(x.sum()), float((x * w).sum())
 
 
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_bits(t: torch.Tensor) -> int:
+    """An exact checksum of the tensor's bytes: sum of its elements' bit patterns (as integers)
+    times odd position weights, modulo 2^64. One changed element changes it by d * w with d != 0 and
+    w odd, which is never 0 mod 2^64: any single flipped byte (or bit) is caught, always (the float
+    sums above miss flips in low mantissa bits: they change a sum of ~1e3 values by ~1e-7)."""
+    x = t.detach().contiguous().reshape(-1)
+    x = x.view(_INT_VIEW[x.element_size()]).to(torch.int64)
+    w = (torch.arange(x.numel(), dtype=torch.int64, device=x.device) % 1000003) * 2 + 1
+    return int((x * w).sum())  # int64 arithmetic wraps: the sum is taken mod 2^64
+
+
+def checksum_entry(p: torch.Tensor) -> dict:
+    """What an engine reports for one parameter (rz_checksums; compared by engine.check_weights)."""
+    s, ws = tensor_checksum(p)
+    return {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "sum": s, "wsum": ws,
+            "bits": tensor_bits(p)}
+
+
 def is_readable_name(name: str) -> bool:
     return name.endswith(READABLE_SUFFIXES)
 
@@ -113,8 +134,7 @@ class WeightSyncExtension:
             p = params.get(n)
             if p is None:
                 continue
-            s, ws = tensor_checksum(p)
-            out[n] = {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "sum": s, "wsum": ws}
+            out[n] = checksum_entry(p)
         return out
 
     def rz_param_names(self) -> list[str]:

@@ -1,0 +1,197 @@
+"""Faults survived with nothing lost, unit level: a weight sync with one flipped byte, corrupted /
+interrupted checkpoints, SIGTERM on the learner. (Non-finite updates: test_guards.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pathlib import Path
+
+from megatron_rz import preemption
+from megatron_rz.resume import (COMPLETE, checkpoint_dir, latest_checkpoint, mark_complete, resolve_load,
+                                verify_checkpoint, write_digest)
+from vllm_bridge.engine import WeightSyncError, check_weights
+from vllm_bridge.worker_ext import checksum_entry
+
+# ------------------------------------------------------------------------ weight sync, flipped byte
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = {"model.embed_tokens.weight": (64, 64), "model.layers.0.input_layernorm.weight": (64,),
+         "model.layers.1.mlp.gate.weight": (8, 64), "model.norm.weight": (64,)}
+
+
+def _flip(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, int, int]:
+    raw = t.clone().contiguous().view(-1).view(torch.uint8)
+    i, x = rng.randrange(raw.numel()), rng.randrange(1, 256)
+    raw[i] ^= x
+    return raw.view(t.dtype).view(t.shape), i, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_flipped_byte_in_a_sync_is_caught_every_time(dtype):
+    g = torch.Generator().manual_seed(0)
+    learner = {n: (torch.randn(s, generator=g) * 0.02 + (1.0 if "norm" in n else 0.0)).to(dtype)
+               for n, s in NAMES.items()}
+    engine = {n: checksum_entry(t) for n, t in learner.items()}
+    assert len(check_weights(learner.items(), engine, 1)["checked"]) == len(NAMES)  # no false alarm
+    rng = random.Random(1)
+    trials, missed_by_float_sums = 600, 0
+    for _ in range(trials):
+        name = rng.choice(sorted(NAMES))
+        bad, i, x = _flip(learner[name], rng)
+        got = dict(engine, **{name: checksum_entry(bad)})  # what the engine reports after that sync
+        with pytest.raises(WeightSyncError, match=name.replace(".", r"\.")):
+            check_weights(learner.items(), got, 1)
+        floats_only = {n: {k: v for k, v in e.items() if k != "bits"} for n, e in got.items()}
+        try:
+            check_weights(learner.items(), floats_only, 1)
+            missed_by_float_sums += 1
+        except WeightSyncError:
+            pass
+    print(f"\n{dtype}: {trials}/{trials} flips caught; the float sums alone would have missed {missed_by_float_sums}")
+    assert missed_by_float_sums > 0  # the exact check is what catches low-mantissa flips
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+
+def _save(run_dir, step: int, ranks: int = 2, size: int = 4096):
+    """What Learner.save_checkpoint writes: every rank's file + digest, then the COMPLETE manifest."""
+    d = checkpoint_dir(run_dir, step)
+    d.mkdir(parents=True)
+    for r in range(ranks):
+        f = d / f"rank{r:05d}.pt"
+        f.write_bytes(os.urandom(size))
+        write_digest(f)
+    mark_complete(d, step)
+    return d
+
+
+def test_manifest_records_every_rank_file(tmp_path):
+    d = _save(tmp_path, 2)
+    files = json.loads((d / COMPLETE).read_text())["files"]
+    assert sorted(files) == ["rank00000.pt", "rank00001.pt"] and verify_checkpoint(d) is None
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_rank_file", "torn_marker", "no_marker",
+                                    "append"])
+def test_damaged_newest_checkpoint_is_named_and_skipped_for_the_previous(tmp_path, damage):
+    older, newest = _save(tmp_path, 2), _save(tmp_path, 4)
+    f = newest / "rank00001.pt"
+    if damage == "flip_byte":
+        raw = bytearray(f.read_bytes())
+        raw[1234] ^= 0x10
+        f.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        f.write_bytes(f.read_bytes()[:1000])
+    elif damage == "append":
+        f.write_bytes(f.read_bytes() + b"x")
+    elif damage == "delete_rank_file":
+        f.unlink()
+    elif damage == "torn_marker":
+        (newest / COMPLETE).write_text((newest / COMPLETE).read_text()[:25])
+    else:
+        (newest / COMPLETE).unlink()
+    said = []
+    assert latest_checkpoint(tmp_path, log=said.append) == older
+    assert len(said) == 1 and str(newest) in said[0], said
+    if damage in ("flip_byte", "truncate", "delete_rank_file", "append"):
+        assert "rank00001.pt" in said[0]
+    with pytest.raises(FileNotFoundError, match="step_000004"):  # named explicitly: refused, not loaded
+        resolve_load(str(newest), tmp_path)
+    assert resolve_load("latest", tmp_path) == older
+
+
+def test_size_only_verification_still_catches_truncation(tmp_path, monkeypatch):
+    monkeypatch.setenv("RZ_CKPT_VERIFY", "size")
+    older, newest = _save(tmp_path, 1), _save(tmp_path, 2)
+    (newest / "rank00000.pt").write_bytes(b"")
+    assert latest_checkpoint(tmp_path, log=lambda m: None) == older
+
+
+def test_checkpoint_write_killed_midway_leaves_the_previous_loadable(tmp_path):
+    """A process killed (SIGKILL) while writing step 6: no marker, so load=latest takes step 3."""
+    older = _save(tmp_path, 3)
+    code = f"""
+import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+from megatron_rz.resume import checkpoint_dir
+d = checkpoint_dir({str(tmp_path)!r}, 6); d.mkdir(parents=True)
+with open(d / "rank00000.pt", "wb") as f:
+    while True:
+        f.write(os.urandom(1 << 16)); f.flush()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    target = checkpoint_dir(tmp_path, 6) / "rank00000.pt"
+    deadline = time.time() + 30
+    while (not target.exists() or target.stat().st_size < 1 << 20) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert target.stat().st_size >= 1 << 20
+    said = []
+    assert latest_checkpoint(tmp_path, log=said.append) == older and "no COMPLETE marker" in said[0]
+
+
+def test_legacy_marker_without_manifest_still_counts(tmp_path):
+    d = checkpoint_dir(tmp_path, 5)
+    d.mkdir(parents=True)
+    (d / COMPLETE).write_text("step 5\n")
+    assert latest_checkpoint(tmp_path) == d
+
+
+# ------------------------------------------------------------------------ SIGTERM on the learner
+
+
+class _Learner:
+    def __init__(self):
+        self.saved = []
+
+    def save_checkpoint(self, d, step):
+        d.mkdir(parents=True)
+        (d / COMPLETE).write_text(f"step {step}\n")
+        self.saved.append(step)
+        return d
+
+
+@pytest.fixture
+def sigterm(monkeypatch):
+    old = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(preemption, "_terminated", False)
+    monkeypatch.setattr(preemption, "_signalled", False)
+    monkeypatch.delenv(preemption.PREEMPT_FILE_ENV, raising=False)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def test_sigterm_before_the_loop_exits_at_once(sigterm):
+    preemption.install_sigterm_exit()
+    with pytest.raises(SystemExit) as e:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert e.value.code == 143
+
+
+def test_sigterm_in_the_loop_checkpoints_that_step_then_exits_143(sigterm, tmp_path):
+    preemption.arm_sigterm_checkpoint()
+    lrn = _Learner()
+    preemption.checkpoint_and_exit_if_requested(lrn, tmp_path, 1, 10)  # no signal yet: nothing
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives during step 2: only noted
+    assert lrn.saved == []
+    with pytest.raises(SystemExit) as e:
+        preemption.checkpoint_and_exit_if_requested(lrn, tmp_path, 2, 10)
+    assert e.value.code == 143 and lrn.saved == [2]
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 2)
+    assert not (tmp_path / preemption.MARKER).exists()  # a stop, not a preemption: nothing requeues it
+    with pytest.raises(SystemExit):  # a second SIGTERM stops at once
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
