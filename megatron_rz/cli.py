@@ -78,6 +78,23 @@ def _claim(recipe, args):
     return lock
 
 
+def _train_or_stop(train, recipe):
+    """train(recipe); a dead or silent rollout engine becomes one line naming the checkpoint to
+    resume from (the run itself stops: it does not restart the engine)."""
+    from megatron_rz.async_trainer import RolloutProcessError
+    from megatron_rz.guards import RunStopped
+    from megatron_rz.resume import latest_checkpoint
+    from vllm_bridge.engine import RolloutEngineError, WeightSyncError
+
+    try:
+        return train(recipe)
+    except (RolloutEngineError, RolloutProcessError, WeightSyncError) as e:
+        ckpt = latest_checkpoint(recipe.run_dir, log=lambda m: None)
+        where = f"the newest complete checkpoint is {ckpt}" if ckpt else "there is no checkpoint yet (it starts over)"
+        raise RunStopped(f"{type(e).__name__}: {e} -- the run stopped; {where}: resume with "
+                         f"`rz train ... checkpoint.load=latest`") from e
+
+
 def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from megatron_rz.resume import resolve_load
@@ -98,7 +115,7 @@ def cmd_train(args) -> int:
             return rc
         from megatron_rz.trainer import train
 
-        summary = train(recipe)
+        summary = _train_or_stop(train, recipe)
     finally:
         if lock is not None:
             lock.release()
