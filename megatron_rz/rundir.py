@@ -208,11 +208,13 @@ def claim_run_dir(recipe: Recipe, overwrite: bool = False, argv: list[str] | Non
     found = results_in(run_dir) if run_dir.is_dir() else []
     record = _read_record(run_dir)
     if found and not resume and not overwrite:
+        other = ("name=OTHER (or logging.run_dir=DIR)" if "{name}" in recipe.logging.run_dir
+                 else "logging.run_dir=OTHER_DIR")
         made = f" of run {record['recipe'].get('name')!r} started {record['starts'][0]['time']}" if record else ""
         raise RunDirError(
             f"run dir {run_dir} holds the results{made}: {', '.join(found)}. Nothing was changed. Resume it with "
-            f"checkpoint.load=latest, start a new run with name=OTHER (or logging.run_dir=DIR), or pass "
-            f"--overwrite to delete those results (base models are kept)")
+            f"checkpoint.load=latest, start a new run with {other}, or pass --overwrite to delete those "
+            f"results (base models are kept)")
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = _take_lock(run_dir)
     try:

@@ -61,9 +61,23 @@ def test_second_train_refuses_with_the_choices_and_touches_nothing(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     for choice in ("metrics.jsonl (2 rows)", "checkpoints/ (1, newest step_000001)", "checkpoint.load=latest",
-                   "name=", "--overwrite"):
+                   "logging.run_dir=OTHER_DIR", "--overwrite"):  # (name= would not move an explicit run_dir)
         assert choice in err, (choice, err)
     assert _contents(run) == before and not (run / LOCK).exists()
+    assert "name=OTHER" in str(_refusal(_recipe_named(tmp_path)))
+
+
+def _recipe_named(tmp_path):
+    r = load_recipe(TINY, ["logging.wandb=false", f"logging.run_dir={tmp_path}/runs/{{name}}"])
+    r.run_dir.mkdir(parents=True)
+    _finished_run(r.run_dir)
+    return r
+
+
+def _refusal(recipe):
+    with pytest.raises(RunDirError) as e:
+        claim_run_dir(recipe)
+    return e.value
 
 
 def test_resume_keeps_everything_and_overwrite_deletes_only_results(tmp_path):
