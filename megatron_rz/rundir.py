@@ -159,7 +159,13 @@ def _lock_holder(path: Path) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
-        return None  # unreadable: written by a process killed mid-write
+        # unreadable: being written right now (a run starting at the same moment), or left by a
+        # process killed mid-write; only the latter is stale
+        try:
+            young = time.time() - path.stat().st_mtime < 10
+        except OSError:
+            return None
+        return f"a run starting now (unfinished lock file {path})" if young else None
     host, pid, job = info.get("host"), int(info.get("pid", -1)), info.get("slurm_job")
     who = f"pid {pid} on {host} (started {info.get('started', '?')}{', SLURM job ' + str(job) if job else ''})"
     if job and job == os.environ.get("SLURM_JOB_ID"):

@@ -159,3 +159,13 @@ def test_metrics_logger_never_deletes_an_earlier_file(tmp_path):
     kept = list(tmp_path.glob("metrics.jsonl.replaced-*"))
     assert len(kept) == 1 and kept[0].read_text() == '{"step": 1}\n'
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 0, "eval_reward": 0.5}
+
+
+def test_lock_being_written_is_not_taken_but_an_old_torn_one_is(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK).write_text('{"pid": ')  # a run that is writing its lock this very moment
+    with pytest.raises(RunDirError, match="a run starting now"):
+        claim_run_dir(_recipe(run))
+    os.utime(run / LOCK, (0, 0))  # the same torn file, left long ago by a killed process
+    claim_run_dir(_recipe(run)).release()
