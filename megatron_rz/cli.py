@@ -103,8 +103,10 @@ def cmd_train(args) -> int:
         from megatron_rz.pretrained import check_pretrained
 
         check_pretrained(recipe)
-    try:  # a wrong checkpoint path fails here, before the warm start and the engines
-        resolve_load(recipe.checkpoint.load, recipe.run_dir)
+    try:  # a wrong checkpoint path fails here, before the warm start and the engines ("latest" is
+        # resolved by the trainer: it never fails, and verifying the checkpoints twice costs a re-read)
+        if recipe.checkpoint.load != "latest":
+            resolve_load(recipe.checkpoint.load, recipe.run_dir)
     except FileNotFoundError as e:
         raise RecipeError(str(e)) from None
     lock = _claim(recipe, args)
