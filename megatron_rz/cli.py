@@ -79,16 +79,22 @@ def _claim(recipe, args):
 
 
 def _train_or_stop(train, recipe):
-    """train(recipe); a dead or silent rollout engine becomes one line naming the checkpoint to
-    resume from (the run itself stops: it does not restart the engine)."""
+    """train(recipe); a dead or silent rollout engine, a failed weight-sync check or a full disk
+    becomes one line naming the checkpoint to resume from (the run stops: it does not restart the
+    engine)."""
     from megatron_rz.async_trainer import RolloutProcessError
     from megatron_rz.guards import RunStopped
     from megatron_rz.resume import latest_checkpoint
     from vllm_bridge.engine import RolloutEngineError, WeightSyncError
 
+    import errno
+
     try:
         return train(recipe)
-    except (RolloutEngineError, RolloutProcessError, WeightSyncError) as e:
+    except (RolloutEngineError, RolloutProcessError, WeightSyncError, OSError) as e:
+        if isinstance(e, OSError) and not isinstance(e, (RolloutEngineError, RolloutProcessError)) \
+                and e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise  # other I/O errors keep their traceback
         ckpt = latest_checkpoint(recipe.run_dir, log=lambda m: None)
         where = f"the newest complete checkpoint is {ckpt}" if ckpt else "there is no checkpoint yet (it starts over)"
         raise RunStopped(f"{type(e).__name__}: {e} -- the run stopped; {where}: resume with "

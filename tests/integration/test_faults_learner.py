@@ -1,6 +1,7 @@
 """Faults on the real Megatron learner (one tiny model shared by the assertions, ~10 s): a NaN
 update is not applied by Megatron's optimizer behind the guard, and a corrupted newest checkpoint
-is skipped by checkpoint.load=latest for the previous one, which restores the weights exactly."""
+is skipped by checkpoint.load=latest for the previous one, which restores the weights exactly, as is
+a checkpoint whose write failed on a full disk."""
 
 from __future__ import annotations
 
@@ -56,3 +57,26 @@ def test_real_learner_skips_nan_updates_and_resumes_past_a_corrupted_checkpoint(
     assert ckpt == checkpoint_dir(tmp_path, 2) and "step_000003" in said[0] and "rank00000.pt" in said[0]
     assert learner.load_checkpoint(ckpt) == 2
     assert all(torch.equal(w2[k], v) for k, v in weights().items())
+
+    # the disk fills up while step 5 is written: the error propagates, step 5 never counts
+    import errno
+
+    import megatron_rz.learner as lm
+
+    real_save = torch.save
+
+    def full_disk(obj, path):
+        real_save(obj, path)
+        with open(path, "r+b") as f:
+            f.truncate(4096)  # what was on disk when the write failed
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    lm.torch.save = full_disk
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            learner.save_checkpoint(checkpoint_dir(tmp_path, 5), step=5)
+    finally:
+        lm.torch.save = real_save
+    said.clear()
+    assert latest_checkpoint(tmp_path, log=said.append) == checkpoint_dir(tmp_path, 2)
+    assert "step_000005" in said[0] and "no COMPLETE marker" in said[0]

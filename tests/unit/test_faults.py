@@ -200,22 +200,26 @@ def test_sigterm_in_the_loop_checkpoints_that_step_then_exits_143(sigterm, tmp_p
 # ------------------------------------------------------------------------ a dead rollout engine
 
 
-@pytest.mark.parametrize("error", ["RolloutEngineError", "RolloutProcessError", "WeightSyncError"])
+@pytest.mark.parametrize("error", ["RolloutEngineError", "RolloutProcessError", "WeightSyncError", "OSError"])
 def test_dead_engine_stops_the_run_with_one_line_naming_the_checkpoint(tmp_path, capsys, monkeypatch, error):
     """What rz train prints when the engine dies mid-run (SIGKILL of vLLM: RolloutEngineError from
     the engine client, RolloutProcessError from the async rollout process) or a sync fails its
-    verification: one line, exit 1, and the checkpoint load=latest will resume from."""
+    verification, or the disk fills up: one line, exit 1, and the checkpoint load=latest will resume from."""
     import megatron_rz.async_trainer as at
     import megatron_rz.trainer as tr
     import vllm_bridge.engine as eng
     from megatron_rz import cli
 
     run = tmp_path / "run"
+    import errno
+
     cls = {"RolloutEngineError": eng.RolloutEngineError, "RolloutProcessError": at.RolloutProcessError,
-           "WeightSyncError": eng.WeightSyncError}[error]
+           "WeightSyncError": eng.WeightSyncError, "OSError": OSError}[error]
 
     def dies(recipe):
         _save(run, 4)
+        if cls is OSError:  # the disk filled up while a checkpoint was written
+            raise OSError(errno.ENOSPC, "No space left on device")
         raise cls("vLLM engine core (pid 1234) died during generate (exit -9)")
 
     monkeypatch.setattr(tr, "train", dies)
@@ -223,6 +227,7 @@ def test_dead_engine_stops_the_run_with_one_line_naming_the_checkpoint(tmp_path,
     rc = cli.main(["train", str(ROOT / "recipes" / "tiny_moe.yaml"), f"logging.run_dir={run}", "logging.wandb=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "Traceback" not in err[0], err
-    assert err[0].startswith(f"rz: stopped: {error}: vLLM engine core (pid 1234) died")
+    said = "[Errno 28] No space left on device" if cls is OSError else "vLLM engine core (pid 1234) died"
+    assert err[0].startswith(f"rz: stopped: {error}: {said}")
     assert str(checkpoint_dir(run, 4)) in err[0] and "checkpoint.load=latest" in err[0]
     assert not (run / "rz.lock").exists()  # the lock is released on the way out
