@@ -32,6 +32,7 @@ _EXPORTS = {
     "moe_experts": "dispatch",
     "lm_head_logits": "dispatch",
     "logprobs_from_logits": "dispatch",
+    "log_softmax": "dispatch",
     "token_logprobs": "dispatch",
     "quantize_act_groupwise": "dispatch",
     "fp8_gemm": "dispatch",

@@ -42,7 +42,7 @@ __all__ = [
     "set_backend", "backend", "use_triton",
     "linear", "linear_partial", "rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
-    "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "token_logprobs",
+    "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "log_softmax", "token_logprobs",
     "quantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
 ]
 
@@ -353,6 +353,19 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
 
     return with_reference_grad(lambda l_: tlp(l_, targets, temperature),
                                lambda l_: _lp.logprobs_from_logits(l_, targets, temperature), logits)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-probabilities of every column, ``log_softmax(logits.float() / T)``; element [r, t]
+    is bitwise :func:`logprobs_from_logits` of target t (CPU: torch's log_softmax; CUDA: the Triton
+    kernel with the same reduction). What the aligned engine's sampler reports (no autograd)."""
+    if not (use_triton(logits) and logits.dtype in _GPU_DTYPES):
+        if not temperature > 0:
+            raise ValueError("temperature must be > 0")
+        return (logits.to(torch.float32) / temperature).log_softmax(dim=-1, dtype=torch.float32)
+    from .triton.logprobs import log_softmax as tlsm
+
+    return tlsm(logits, temperature)
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,

@@ -252,7 +252,7 @@ class RolloutEngine:
         max_num_seqs: int = 256,
         kv_cache_gb: float = 1.0,
         max_model_len: int = 256,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         rpc_timeout_s: float | None = 600.0,
         aligned: bool = False,
@@ -296,6 +296,17 @@ class RolloutEngine:
                 "stock vLLM classes and the aligned V4 class have no matching FP8 linears): use "
                 "mode=aligned with arch qwen3_moe or deepseek_v3, or model.fp8=none"
             )
+        from vllm_bridge import vllm_compat
+
+        if vllm_compat.is_cuda():
+            # CUDA vLLM 0.26: CUDA graphs unless asked to run eagerly; the aligned classes decode in
+            # FULL graphs with torch.compile off (vllm_compat, item 2); chunked prefill on.
+            if aligned:
+                kwargs.update(vllm_compat.aligned_engine_kwargs(cuda_graphs=not enforce_eager))
+            else:
+                kwargs.update(enforce_eager=bool(enforce_eager), enable_chunked_prefill=True)
+        elif enforce_eager is None:
+            kwargs["enforce_eager"] = True  # vLLM-CPU
         if aligned:
             # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
@@ -347,8 +358,10 @@ class RolloutEngine:
         # (pid, start time) of the worker processes, to reap them in close() if the engine core
         # died without taking them down.
         self._worker_procs = [(pid, _proc_start_time(pid)) for pid in self._rpc("rz_pid")]
-        tok = self.llm.get_tokenizer()
-        self.eos_token_id = getattr(tok, "eos_token_id", None)
+        if kwargs.get("skip_tokenizer_init"):  # token ids in and out (benchmarks): EOS from config.json
+            self.eos_token_id = _config(self.model_dir).get("eos_token_id")
+        else:
+            self.eos_token_id = getattr(self.llm.get_tokenizer(), "eos_token_id", None)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     # ---- lifecycle -----------------------------------------------------------------------------

@@ -178,3 +178,27 @@ def apply() -> None:
         _patch_cpu_moe_prepack_on_reload()
         if dsv4:
             _patch_dsv4_cpu_swa_tile_scheduler()
+
+
+def use_kernels_log_softmax() -> None:
+    """vLLM 0.26 CUDA (``vllm.v1.sample.sampler.Sampler.compute_logprobs``, a staticmethod
+    ``logits.log_softmax(-1, dtype=float32)``): in the aligned engine on CUDA the reported
+    log-probabilities must be the learner's, so compute them with ``kernels.log_softmax`` (the
+    Triton log-softmax the learner's ``kernels.logprobs_from_logits`` uses; on CPU that is torch's
+    log_softmax already, so the CPU engine needs no patch). Called by the aligned model classes in
+    their worker process (the sampler lives there); idempotent. Temperature is applied by vLLM
+    before this call (an IEEE division, the same as the kernel's ``div_rn``)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if getattr(Sampler.compute_logprobs, "_rz", False):
+        return
+
+    def compute_logprobs(logits):
+        import kernels
+
+        return kernels.log_softmax(logits)
+
+    compute_logprobs._rz = True
+    Sampler.compute_logprobs = staticmethod(compute_logprobs)
+    _APPLIED.append("use_kernels_log_softmax")
+

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention", "attention_batched", "BLOCK_N", "BLOCK_M", "KV_CHUNK"]
+__all__ = ["attention", "attention_batched", "paged_attention", "paged_kv_write", "BLOCK_N", "BLOCK_M", "KV_CHUNK"]
 
 BLOCK_N = 64  # KV tile: fixed, part of the numerics contract
 BLOCK_M = 64  # rows (query, head) per program: fixed too (see module docstring)
@@ -52,15 +52,27 @@ NUM_WARPS = 4
 @triton.jit
 def _chunk_state(q, kb, vb, pos, lo, hi, S, sk_s, sv_s, scale, rd, rdv,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Online softmax from a fresh state over keys [lo, hi) in BLOCK_N tiles (lo tile-aligned)."""
+                 BLOCK_N: tl.constexpr, bt_ptr=None, s_blk=0, PAGE: tl.constexpr = 0):
+    """Online softmax from a fresh state over keys [lo, hi) in BLOCK_N tiles (lo tile-aligned).
+
+    ``PAGE == 0``: key j is row ``j`` of ``kb`` / ``vb`` (stride ``sk_s`` / ``sv_s``). ``PAGE > 0``:
+    a paged cache, key j in slot ``j % PAGE`` of block ``bt_ptr[j // PAGE]`` (block stride
+    ``s_blk``). Only the addresses differ: the tiles, masks and arithmetic are the same, so a paged
+    and a contiguous cache holding the same keys give the same bits."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for start in range(lo, hi, BLOCK_N):
         rn = start + tl.arange(0, BLOCK_N)
         kv_ok = rn < S
-        k = tl.load(kb + rn[:, None] * sk_s + rd[None, :], mask=kv_ok[:, None] & (rd[None, :] < D), other=0.0)
+        if PAGE > 0:
+            blk = tl.load(bt_ptr + rn // PAGE, mask=kv_ok, other=0).to(tl.int64)
+            k_off = blk * s_blk + (rn % PAGE) * sk_s
+            v_off = blk * s_blk + (rn % PAGE) * sv_s
+        else:
+            k_off = rn * sk_s
+            v_off = rn * sv_s
+        k = tl.load(kb + k_off[:, None] + rd[None, :], mask=kv_ok[:, None] & (rd[None, :] < D), other=0.0)
         s = tl.dot(q, k.T) * scale
         valid = (rn[None, :] <= pos[:, None]) & kv_ok[None, :]
         s = tl.where(valid, s, float("-inf"))
@@ -69,7 +81,7 @@ def _chunk_state(q, kb, vb, pos, lo, hi, S, sk_s, sv_s, scale, rd, rdv,
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vb + rn[:, None] * sv_s + rdv[None, :], mask=kv_ok[:, None] & (rdv[None, :] < DV), other=0.0)
+        v = tl.load(vb + v_off[:, None] + rdv[None, :], mask=kv_ok[:, None] & (rdv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
@@ -91,13 +103,13 @@ def _merge(M, L, ACC, m_c, l_c, acc_c):
 @triton.jit
 def _rows_chunked(q, kb, vb, pos, hi, S, sk_s, sv_s, scale, rd, rdv,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+                  BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr, bt_ptr=None, s_blk=0, PAGE: tl.constexpr = 0):
     M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     L = tl.zeros((BLOCK_M,), tl.float32)
     ACC = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for lo in range(0, hi, KV_CHUNK):
         m_c, l_c, acc_c = _chunk_state(q, kb, vb, pos, lo, tl.minimum(lo + KV_CHUNK, hi), S, sk_s, sv_s, scale,
-                                       rd, rdv, D, DV, BLOCK_M, BLOCK_DV, BLOCK_N)
+                                       rd, rdv, D, DV, BLOCK_M, BLOCK_DV, BLOCK_N, bt_ptr, s_blk, PAGE)
         M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
     return L, ACC
 
@@ -306,3 +318,118 @@ def attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), out.stride(0), out.stride(1), float(scale), **common)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# paged KV cache (the aligned vLLM engine on CUDA): same tiles and order, keys found through a block
+# table; no host synchronisation, grid fixed by host-side sizes only (CUDA-graph capturable)
+
+
+@triton.jit
+def _paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr, o_ptr,
+                  sq_t, sq_h, s_blk, s_kvh, s_slot, s_bt, so_t, so_h, scale,
+                  GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kh = tl.program_id(2)
+    q0 = tl.load(cu_ptr + b)
+    nq = tl.load(cu_ptr + b + 1) - q0
+    L_b = tl.load(seqlen_ptr + b)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = (query t of this sequence, head g of the group)
+    mm = r < nq * GROUP
+    t = r // GROUP
+    h = kh * GROUP + (r % GROUP)
+    qrow = (q0 + t).to(tl.int64)
+    pos = tl.where(mm, L_b - nq + t, -1)  # a query's position: its sequence's length - queries + index
+    rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + qrow[:, None] * sq_t + h[:, None] * sq_h + rd[None, :],
+                mask=mm[:, None] & (rd[None, :] < D), other=0.0)
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, L_b)
+    kb = k_ptr + kh * s_kvh
+    vb = v_ptr + kh * s_kvh
+    L, ACC = _rows_chunked(q, kb, vb, pos, hi, L_b, s_slot, s_slot, scale, rd, rdv, D, DV, BLOCK_M, BLOCK_DV,
+                           BLOCK_N, KV_CHUNK, bt_ptr + b.to(tl.int64) * s_bt, s_blk, PAGE)
+    out = _finish(L, ACC)
+    tl.store(o_ptr + qrow[:, None] * so_t + h[:, None] * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mm[:, None] & (rdv[None, :] < DV))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_q_len: int,
+                    out: torch.Tensor, num_seqs: Optional[int] = None) -> torch.Tensor:
+    """Causal attention over a paged KV cache, written into ``out[Tq, Hq, Dv]`` (rows of other
+    tokens are left untouched).
+
+    ``k_cache`` / ``v_cache``: ``[num_blocks, Hkv, PAGE, D]`` views (any strides with a unit last
+    stride, the same block / head / slot strides for both, e.g. the two halves of vLLM's
+    ``[num_blocks, Hkv, PAGE, 2 * D]`` cache); ``block_table[b, i]`` the block holding keys
+    ``i*PAGE ..`` of sequence b; sequence b has ``seq_lens[b]`` keys and queries
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last ones of its keys (query j of n at position
+    ``seq_len - n + j``). Sequences with no queries (CUDA-graph padding) do nothing; keys at and past
+    ``seq_len`` are never read. Grid: ``(ceil(max_q_len * G / 64), num_seqs, Hkv)``, host sizes only.
+
+    Bitwise :func:`attention` / :func:`attention_batched` on the same keys (same tiles, chunks,
+    order): prefill, chunked prefill and decode of a sequence give the bits the learner's
+    ``causal_attention`` computes over the whole sequence."""
+    Tq, Hq, D = q.shape
+    nb, Hkv, PAGE, Dk = k_cache.shape
+    Dv = v_cache.shape[-1]
+    if Dk != D or v_cache.shape[:3] != (nb, Hkv, PAGE) or Hq % Hkv:
+        raise ValueError("paged_attention: shape mismatch")
+    if k_cache.stride()[:3] != v_cache.stride()[:3]:
+        raise ValueError("paged_attention: K and V caches must share block / head / slot strides")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: last dims must be contiguous")
+    if k_cache.dtype != q.dtype:
+        raise ValueError("paged_attention: q and the cache must have the same dtype")
+    B = int(num_seqs) if num_seqs is not None else cu_seqlens_q.numel() - 1
+    G = Hq // Hkv
+    if Tq == 0 or B == 0 or max_q_len <= 0:
+        return out
+    grid = (triton.cdiv(int(max_q_len) * G, BLOCK_M), B, Hkv)
+    _paged_kernel[grid](
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1), float(scale),
+        GROUP=G, D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv), PAGE=PAGE,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, num_warps=NUM_WARPS, num_stages=2,
+        enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, sk_t, sk_h, sv_t, sv_h, s_blk, s_kvh, s_slot,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if slot >= 0:
+        dst = (slot // PAGE) * s_blk + h * s_kvh + (slot % PAGE) * s_slot
+        rd = tl.arange(0, BLOCK_D)
+        k = tl.load(k_ptr + i * sk_t + h * sk_h + rd, mask=rd < D)
+        tl.store(kc_ptr + dst + rd, k.to(kc_ptr.dtype.element_ty), mask=rd < D)
+        v = tl.load(v_ptr + i * sv_t + h * sv_h + rd, mask=rd < DV, other=0.0)
+        tl.store(vc_ptr + dst + rd, v.to(vc_ptr.dtype.element_ty), mask=rd < D)  # V zero-padded to D
+
+
+def paged_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """``k_cache/v_cache[slot // PAGE, :, slot % PAGE] = key/value[i]`` for every token i with
+    ``slot_mapping[i] >= 0`` (an exact copy; negative slots are padding). ``key[T, Hkv, D]``,
+    ``value[T, Hkv, Dv <= D]`` (stored zero-padded to D); caches as in :func:`paged_attention`."""
+    n = min(slot_mapping.shape[0], key.shape[0])
+    if n == 0:
+        return
+    nb, Hkv, PAGE, D = k_cache.shape
+    Dv = value.shape[-1]
+    if key.shape[1:] != (Hkv, D) or value.shape[1] != Hkv or Dv > D:
+        raise ValueError("paged_kv_write: shape mismatch")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("paged_kv_write: last dims must be contiguous")
+    _kv_write_kernel[(n, Hkv)](key, value, slot_mapping, k_cache, v_cache, key.stride(0), key.stride(1),
+                               value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
+                               k_cache.stride(2), D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), PAGE=PAGE,
+                               num_warps=1)

@@ -44,7 +44,7 @@ def _log(x):
         return tl.log(x)
 
 
-__all__ = ["logprobs_from_logits", "token_logprobs", "PIECE", "BLOCK"]
+__all__ = ["logprobs_from_logits", "log_softmax", "token_logprobs", "PIECE", "BLOCK"]
 
 PIECE = 16384  # vocabulary columns per program (fixed: the split depends on V only)
 BLOCK = 2048  # columns per chunk inside a piece (a multiple of it divides PIECE)
@@ -118,6 +118,61 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     _merge_kernel[(R,)](l2, stats, t, out, l2.stride(0), n_pieces, float(temperature),
                         NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
     return out.reshape(targets.shape)
+
+
+@triton.jit
+def _row_lse_kernel(stats_ptr, lse_ptr, n_pieces, NP_BLOCK: tl.constexpr):
+    """(M, log S) of a row from its piece stats: the same operations as _merge_kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, NP_BLOCK)
+    msk = offs < n_pieces
+    st = stats_ptr + row * n_pieces * 2
+    m_all = tl.load(st + offs * 2, mask=msk, other=float("-inf"))
+    M = tl.max(m_all, axis=0)
+    S = 0.0
+    for p in range(0, n_pieces):
+        m_p = tl.load(st + p * 2)
+        s_p = tl.load(st + p * 2 + 1)
+        S = S + s_p * _exp(m_p - M)
+    tl.store(lse_ptr + row * 2, M)
+    tl.store(lse_ptr + row * 2 + 1, _log(S))
+
+
+@triton.jit
+def _rows_out_kernel(logits_ptr, lse_ptr, out_ptr, V, stride_row, stride_out, temperature, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    msk = cols < V
+    M = tl.load(lse_ptr + row * 2)
+    logS = tl.load(lse_ptr + row * 2 + 1)
+    z = tl.load(logits_ptr + row * stride_row + cols, mask=msk, other=0.0).to(tl.float32)
+    z = tl.math.div_rn(z, temperature)
+    tl.store(out_ptr + row * stride_out + cols, (z - M) - logS, mask=msk)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 ``log_softmax(logits.float() / temperature)`` of every column, ``[..., V]``: element
+    ``[r, t]`` is bitwise :func:`logprobs_from_logits` of target t in row r (same piece stats, same
+    merge, same final ``(z - M) - log S``). What the aligned engine's sampler reports on the GPU."""
+    if not temperature > 0:
+        raise ValueError("temperature must be > 0")
+    V = logits.shape[-1]
+    l2 = logits.reshape(-1, V)
+    if l2.stride(-1) != 1:
+        l2 = l2.contiguous()
+    R = l2.shape[0]
+    out = torch.empty(R, V, device=logits.device, dtype=torch.float32)
+    if R == 0:
+        return out.reshape(logits.shape)
+    n_pieces = triton.cdiv(V, PIECE)
+    stats = torch.empty(R, n_pieces, 2, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(R, 2, device=logits.device, dtype=torch.float32)
+    _piece_stats_kernel[(R, n_pieces)](l2, stats, V, l2.stride(0), n_pieces, float(temperature),
+                                       PIECE=PIECE, BLOCK=BLOCK, num_warps=8)
+    _row_lse_kernel[(R,)](stats, lse, n_pieces, NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
+    _rows_out_kernel[(R, triton.cdiv(V, BLOCK))](l2, lse, out, V, l2.stride(0), out.stride(0), float(temperature),
+                                                  BLOCK=BLOCK, num_warps=4)
+    return out.reshape(logits.shape)
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,

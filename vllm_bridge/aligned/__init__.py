@@ -6,7 +6,7 @@
   ``RZAlignedDeepseekV4ForCausalLM`` in vLLM's ModelRegistry,
   selectable with ``LLM(model=hf_dir, hf_overrides={"architectures": [name]}, ...)`` on the normal
   Hugging Face checkpoints;
-* the aligned attention backend as ``AttentionBackendEnum.CUSTOM``.
+* the aligned attention backend as ``AttentionBackendEnum.CUSTOM`` (CPU or CUDA: ``vllm_bridge.vllm_compat``).
 
 Every op of those models goes through ``kernels`` (see kernels/README.md), so the logprob vLLM reports
 for a sampled token is ``torch.equal`` to :func:`vllm_bridge.aligned.reference.reference_logprobs`
@@ -21,7 +21,6 @@ ARCHITECTURES = {
     "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
     "RZAlignedDeepseekV4ForCausalLM": "vllm_bridge.aligned.deepseek_v4:RZAlignedDeepseekV4ForCausalLM",
 }
-BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
 
 _REGISTERED = False
 
@@ -40,7 +39,9 @@ def register_aligned() -> None:
         for arch, path in ARCHITECTURES.items():
             if arch not in supported:
                 ModelRegistry.register_model(arch, path)
-        register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+        from vllm_bridge.vllm_compat import aligned_backend_path
+
+        register_backend(AttentionBackendEnum.CUSTOM, aligned_backend_path())  # CPU or CUDA backend
     except Exception as e:  # never break stock models (the plugin runs in every vLLM process)
         import logging
 

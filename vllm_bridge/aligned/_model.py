@@ -29,6 +29,19 @@ TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
 * embeddings, norms, router gates and lm_head replicated (the logits need no gather).
 ``load_weights`` receives full Hugging Face tensors (start-up and the in-place reload of a weight
 sync) and narrows them to the rank's shard (``rz_shards``); other ranks' experts are skipped.
+
+GPU fast path (CUDA, unsharded, no FP8; ``rz_fast``): the same numbers through fewer, larger
+launches and no host synchronisation, so vLLM can replay decode steps as CUDA graphs.
+* Packed storage, no copies: a layer's routed experts' gate / up / down weights are *views* into
+  three stacked ``[E, ...]`` tensors (``rz_pack``), q/k/v (Qwen3) and a dense or shared MLP's
+  gate/up are row blocks of one ``[N_q + N_k + N_v, H]`` / ``[2I, H]`` tensor. The HF-named
+  parameters stay (loading, in-place reload and read-back work as before) and write straight into
+  the packed tensors; ``load_weights`` re-points any parameter that stopped aliasing its pack.
+* One GEMM for q/k/v and one for gate/up: ``kernels.linear`` with one K segment computes every
+  output element with the same K chain whatever N is, so the fused GEMM has the separate GEMMs' bits.
+* Routed experts through the grouped Triton MoE (``kernels.moe_experts``: device-side work list,
+  bitwise the per-expert reference) instead of a Python loop over ``torch.unique`` ids.
+* RoPE frequencies cached on the device (``rz_inv_freq``; the same float64 values).
 """
 
 from __future__ import annotations
@@ -45,8 +58,9 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 import kernels
 
+from vllm_bridge.vllm_compat import aligned_attention_backend
+
 from . import reference as ref
-from .attention_backend import RZAlignedAttentionBackend
 
 
 def _tp_info() -> tuple[int, int]:
@@ -79,6 +93,52 @@ def _mlp(dtype, hidden: int, inter: int) -> nn.Module:
     m.up_proj = _Params(dtype, weight=(inter, hidden))
     m.down_proj = _Params(dtype, weight=(hidden, inter))
     return m
+
+
+def _view_param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class _Views(nn.Module):
+    """A leaf whose ``weight`` is a view into a packed tensor (``_Params`` otherwise)."""
+
+    def __init__(self, view: torch.Tensor) -> None:
+        super().__init__()
+        self.register_parameter("weight", _view_param(view))
+
+
+def _packed_rows(dtype, hidden: int, rows: dict) -> tuple[torch.Tensor, dict]:
+    """One ``[sum(rows), hidden]`` tensor and a ``_Views`` leaf per named row block."""
+    pack = torch.empty(sum(rows.values()), hidden, dtype=dtype)
+    leaves, start = {}, 0
+    for name, n in rows.items():
+        leaves[name] = _Views(pack[start:start + n])
+        start += n
+    return pack, leaves
+
+
+def _packed_mlp(dtype, hidden: int, inter: int) -> nn.Module:
+    """A gate/up/down MLP whose gate and up are the two row blocks of ``m.rz_gate_up [2I, H]``."""
+    m = nn.Module()
+    pack, leaves = _packed_rows(dtype, hidden, {"gate_proj": inter, "up_proj": inter})
+    m.gate_proj, m.up_proj = leaves["gate_proj"], leaves["up_proj"]
+    m.down_proj = _Params(dtype, weight=(hidden, inter))
+    m.rz_packs = {"gate_up": (pack, ("gate_proj", "up_proj"))}
+    return m
+
+
+def _packed_experts(dtype, n: int, hidden: int, inter: int) -> tuple[nn.ModuleList, dict]:
+    """``n`` expert MLPs whose weights are views into stacked ``[n, I, H]`` / ``[n, H, I]`` tensors."""
+    stacks = {"gate_proj": torch.empty(n, inter, hidden, dtype=dtype),
+              "up_proj": torch.empty(n, inter, hidden, dtype=dtype),
+              "down_proj": torch.empty(n, hidden, inter, dtype=dtype)}
+    experts = nn.ModuleList()
+    for e in range(n):
+        m = nn.Module()
+        for name, st in stacks.items():
+            setattr(m, name, _Views(st[e]))
+        experts.append(m)
+    return experts, stacks
 
 
 class _LogitsScale(nn.Module):
@@ -119,6 +179,9 @@ class RZAlignedForCausalLM(nn.Module):
         # rz_c: the config the per-layer functions see (the rank's local head counts when sharded)
         self.rz_c = self._tp_config(c) if self.rz_sharded else c
         self.rz_ep = None
+        # GPU fast path (module docstring): CUDA, unsharded, no FP8
+        self.rz_fast = (vllm_config.device_config.device_type == "cuda" and not self.rz_sharded
+                        and c.fp8 == "none")
         tp, r = self.rz_tp, self.rz_rank
         if self.rz_sharded and c.num_experts:
             n = c.num_experts // tp
@@ -138,12 +201,15 @@ class RZAlignedForCausalLM(nn.Module):
                 if c.has_expert_bias:
                     gate["e_score_correction_bias"] = (c.num_experts,)
                 mlp.gate = _Params(dtype, **gate)
-                if self.rz_ep is None:
+                if self.rz_fast:
+                    mlp.experts, mlp.rz_stacks = _packed_experts(dtype, c.num_experts, H, c.moe_intermediate_size)
+                elif self.rz_ep is None:
                     mlp.experts = nn.ModuleList([_mlp(dtype, H, c.moe_intermediate_size) for _ in range(c.num_experts)])
                 else:  # this rank's experts only, under their global ids (the HF names)
                     mlp.experts = nn.ModuleDict({str(e): _mlp(dtype, H, c.moe_intermediate_size) for e in self.rz_ep.local})
                 if c.n_shared_experts:  # replicated when sharded
-                    mlp.shared_experts = _mlp(dtype, H, c.moe_intermediate_size * c.n_shared_experts)
+                    make = _packed_mlp if self.rz_fast else _mlp
+                    mlp.shared_experts = make(dtype, H, c.moe_intermediate_size * c.n_shared_experts)
                 layer.mlp = mlp
             elif self.rz_sharded:  # gate/up column-parallel, down row-parallel
                 inter = c.intermediate_size
@@ -153,7 +219,7 @@ class RZAlignedForCausalLM(nn.Module):
                 self._shard(p + "up_proj.weight", 0, inter)
                 self._shard(p + "down_proj.weight", 1, inter)
             else:
-                layer.mlp = _mlp(dtype, H, c.intermediate_size)
+                layer.mlp = (_packed_mlp if self.rz_fast else _mlp)(dtype, H, c.intermediate_size)
             layers.append(layer)
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = _Params(dtype, weight=(H,))
@@ -165,6 +231,12 @@ class RZAlignedForCausalLM(nn.Module):
         # reads back); their e4m3 copies + 128x128 scales live here, off the module tree (vLLM's
         # layerwise reload rebuilds registered buffers), quantised once per load / in-place update.
         self.rz_fp8 = ref.FP8WeightCache() if c.fp8 == "blockwise" else None
+        if self.rz_fast:
+            rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
+            self.rz_inv_freq = kernels.rope_inv_freq(rot, c.rope_theta).to(vllm_config.device_config.device)
+            from vllm_bridge import vllm_patches
+
+            vllm_patches.use_kernels_log_softmax()  # this worker's sampler (vllm_compat, item 3)
 
     # ---- tensor parallelism ----------------------------------------------------------------------
     def _tp_config(self, c: ref.ArchConfig) -> ref.ArchConfig:
@@ -230,7 +302,7 @@ class RZAlignedForCausalLM(nn.Module):
             cache_config=self.cache_config,
             quant_config=None,
             prefix=f"{prefix}.attn",
-            attn_backend=RZAlignedAttentionBackend,
+            attn_backend=aligned_attention_backend(),
             **extra,
         )
 
@@ -248,6 +320,8 @@ class RZAlignedForCausalLM(nn.Module):
     ) -> torch.Tensor:
         c = self.c
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        if self.rz_fast:
+            return self._fast_forward(h, positions)
         cos, sin = ref.rope_tables(c, positions)
         for i, layer in enumerate(self.model.layers):
             w = layer.get_parameter if self.rz_fp8 is None else self.rz_fp8.getter(layer.get_parameter, f"{i}.")
@@ -259,6 +333,91 @@ class RZAlignedForCausalLM(nn.Module):
             else:
                 h = ref.layer_forward(c, w, i, h, cos, sin, attend)
         return ref.final_norm(c, self.model.norm.weight, h)
+
+    # ---- GPU fast path (module docstring) ---------------------------------------------------------
+    def _fast_forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
+        cos, sin = kernels.rope_cos_sin(positions, rot, c.rope_theta, inv_freq=self.rz_inv_freq)
+        for i, layer in enumerate(self.model.layers):
+            w = layer.get_parameter
+            attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
+            qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) if c.arch == "qwen3_moe" else None
+            h = ref.layer_forward(c, w, i, h, cos, sin, attend, mlp=lambda x, layer=layer, i=i: self._fast_mlp(layer, i, x),
+                                  qkv=qkv)
+        return ref.final_norm(c, self.model.norm.weight, h)
+
+    def _fast_qkv(self, layer, x, cos, sin):
+        """Qwen3 q/k/v from one GEMM over the packed ``[N_q + 2 N_kv, H]`` weight (same bits as three)."""
+        c = self.c
+        T, D = x.shape[0], c.head_dim
+        pack = layer.self_attn.rz_packs["qkv"][0]
+        y = kernels.linear(x, pack)
+        nq, nk = c.num_heads * D, c.num_kv_heads * D
+        q = y[:, :nq].reshape(T, c.num_heads, D)
+        k = y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D)
+        v = y[:, nq + nk:].reshape(T, c.num_kv_heads, D)
+        a = layer.self_attn
+        q = kernels.rms_norm(q, a.q_norm.weight, c.rms_norm_eps)
+        k = kernels.rms_norm(k, a.k_norm.weight, c.rms_norm_eps)
+        return kernels.apply_rope(q, cos, sin, "neox"), kernels.apply_rope(k, cos, sin, "neox"), v
+
+    @staticmethod
+    def _fast_dense(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return kernels.expert_mlp_merged(x, m.rz_packs["gate_up"][0], m.down_proj.weight)
+
+    def _fast_mlp(self, layer, i: int, x: torch.Tensor) -> torch.Tensor:
+        c, m = self.c, layer.mlp
+        if not c.moe_layers[i]:
+            return self._fast_dense(m, x)
+        st = m.rz_stacks
+        if c.arch == "qwen3_moe":
+            logits = kernels.router_logits(x, m.gate.weight, out_dtype=x.dtype)
+            ids, wts = kernels.route(logits, c.top_k, score="softmax", norm_topk_prob=c.norm_topk_prob)
+            wts = wts.to(x.dtype)  # as reference.moe_qwen3
+            shared = None
+        else:
+            logits = kernels.router_logits(x, m.gate.weight, out_dtype=torch.float32)
+            ids, wts = kernels.route(logits, c.top_k, score="sigmoid", expert_bias=m.gate.e_score_correction_bias,
+                                     num_groups=c.n_group, group_topk=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                                     scaling_factor=c.routed_scaling_factor)
+            se = getattr(m, "shared_experts", None)
+            shared = None if se is None else [self._fast_dense(se, x)]
+        from kernels.triton.moe import moe_experts  # CUDA only; bitwise kernels.moe_experts
+
+        return moe_experts(x, st["gate_proj"], st["up_proj"], st["down_proj"], ids, wts, shared,
+                           k_segments_down=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+    def _rz_pack_check(self) -> None:
+        """Re-point every packed parameter that no longer aliases its pack (a loader that replaced
+        its storage): copy it into the pack, then make it a view again. Zero copies otherwise."""
+        def fix(leaf: nn.Module, view: torch.Tensor) -> None:
+            p = leaf.weight
+            if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                view.copy_(p.data)
+                p.data = view
+
+        for layer in self.model.layers:
+            a = layer.self_attn
+            for pack, names in getattr(a, "rz_packs", {}).values():
+                start = 0
+                for n in names:
+                    leaf = getattr(a, n)
+                    fix(leaf, pack[start:start + leaf.weight.shape[0]])
+                    start += leaf.weight.shape[0]
+            mlps = [layer.mlp] + ([layer.mlp.shared_experts] if hasattr(layer.mlp, "shared_experts") else [])
+            for m in mlps:
+                for pack, names in getattr(m, "rz_packs", {}).values():
+                    start = 0
+                    for n in names:
+                        leaf = getattr(m, n)
+                        fix(leaf, pack[start:start + leaf.weight.shape[0]])
+                        start += leaf.weight.shape[0]
+            st = getattr(layer.mlp, "rz_stacks", None)
+            if st is not None:
+                for e, ex in enumerate(layer.mlp.experts):
+                    for n, t in st.items():
+                        fix(getattr(ex, n), t[e])
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.c.tie_word_embeddings else self.lm_head.weight
@@ -291,4 +450,7 @@ class RZAlignedForCausalLM(nn.Module):
             loaded.add(name)
         if self.rz_fp8 is not None:
             self.rz_fp8.clear()  # re-quantise from the new weights at the next forward
+        if self.rz_fast:
+            with torch.no_grad():
+                self._rz_pack_check()
         return loaded

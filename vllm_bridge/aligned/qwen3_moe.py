@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._model import RZAlignedForCausalLM, _Params
+from ._model import RZAlignedForCausalLM, _packed_rows, _Params
 
 
 class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
@@ -25,9 +25,14 @@ class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
         c, lc = self.c, self.rz_c  # lc: this rank's head counts (= c at TP=1)
         H, D = c.hidden_size, c.head_dim
         m = nn.Module()
-        m.q_proj = _Params(dtype, weight=(lc.num_heads * D, H))
-        m.k_proj = _Params(dtype, weight=(lc.num_kv_heads * D, H))
-        m.v_proj = _Params(dtype, weight=(lc.num_kv_heads * D, H))
+        rows = {"q_proj": lc.num_heads * D, "k_proj": lc.num_kv_heads * D, "v_proj": lc.num_kv_heads * D}
+        if self.rz_fast:  # q/k/v: row blocks of one packed weight (one GEMM on the GPU)
+            pack, leaves = _packed_rows(dtype, H, rows)
+            m.q_proj, m.k_proj, m.v_proj = leaves["q_proj"], leaves["k_proj"], leaves["v_proj"]
+            m.rz_packs = {"qkv": (pack, ("q_proj", "k_proj", "v_proj"))}
+        else:
+            for name, n in rows.items():
+                setattr(m, name, _Params(dtype, weight=(n, H)))
         m.o_proj = _Params(dtype, weight=(H, lc.num_heads * D))
         m.q_norm = _Params(dtype, weight=(D,))
         m.k_norm = _Params(dtype, weight=(D,))

