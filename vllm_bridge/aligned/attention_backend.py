@@ -128,5 +128,14 @@ class RZAlignedAttentionBackend(CPUAttentionBackend):
         return []  # any head size: the attention is computed in torch
 
     @staticmethod
+    def get_supported_kernel_block_sizes(*args, **kwargs) -> list:
+        # Any block size: blocks are gathered in torch. (vLLM-CPU forces block_size 16 for MLA
+        # models on CPUs without AMX (platforms/cpu.py), which the stock CPU backend's
+        # MultipleOf(32) would refuse: "No common block size for 16".)
+        from vllm.v1.attention.backend import MultipleOf
+
+        return [MultipleOf(1)]
+
+    @staticmethod
     def get_impl_cls():
         return RZAlignedAttentionImpl
