@@ -4,6 +4,7 @@
     python benchmarks/rollout_gpu.py check --ckpt /root/ckpt/moe1b --out $OUT/check_moe1b.json
     python benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/moe1b --out $OUT/bench_moe1b.json \
         --cells 256x64x128,32x64x128,1x64x128 --rounds 3
+    python benchmarks/rollout_gpu.py profile --ckpt /root/ckpt/moe1b --out $OUT/profile.json --cells 1x64x64
 
 ``ckpt`` writes a Hugging Face checkpoint with random bf16 weights (no tokenizer: the engines run
 with ``skip_tokenizer_init``) of one of ``CONFIGS``. ``check`` runs the project's RolloutEngine
@@ -249,6 +250,51 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
     return res
 
 
+def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = "aligned") -> dict:
+    """Where the time goes: one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), each cell
+    generated once under torch.profiler after a warm-up; the top CUDA kernels (graph replays
+    included, as CUPTI reports them) and the wall vs summed kernel time (the rest is host work:
+    scheduling, sampling, Python)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    eng = _engine(ckpt, kind == "aligned", mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
+    res: dict = {"ckpt": ckpt, "engine": kind, "cells": []}
+    lines = []
+    try:
+        for (B, P, N) in cells:
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
+            sp = SamplingParams(n=1, temperature=1.0, max_tokens=N, ignore_eos=True, logprobs=0, seed=0,
+                                detokenize=False)
+            eng.llm.generate(prompts, sp, use_tqdm=False)
+            torch.cuda.synchronize()
+            with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                eng.llm.generate(prompts, sp, use_tqdm=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            ev = [e for e in prof.key_averages() if e.device_time_total > 0 and str(e.device_type).endswith("CUDA")]
+            ev.sort(key=lambda e: -e.device_time_total)
+            gpu_total = sum(e.device_time_total for e in ev) / 1e6
+            top = [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
+                    "share": round(e.device_time_total / 1e6 / max(gpu_total, 1e-9), 3)} for e in ev[:20]]
+            cell = {"batch": B, "prompt": P, "new": N, "wall_s": round(wall, 4), "kernel_s": round(gpu_total, 4),
+                    "top": top}
+            res["cells"].append(cell)
+            lines.append(f"== {kind} {B}x{P}x{N}: wall {wall:.3f} s, kernels {gpu_total:.3f} s")
+            lines += [f"  {x['ms']:9.2f} ms {x['share']:6.1%} {x['calls']:6d}  {x['name']}" for x in top]
+            print("\n".join(lines[-21:]), flush=True)
+    finally:
+        eng.close()
+    json.dump(res, open(out, "w"), indent=1)
+    open(os.path.splitext(out)[0] + ".txt", "w").write("\n".join(lines) + "\n")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -265,11 +311,18 @@ def main(argv=None) -> int:
     c.add_argument("--cells", default="256x64x128,32x64x128,1x64x128")
     c.add_argument("--rounds", type=int, default=3)
     c.add_argument("--mem-gb", type=float, default=20)
+    d = sub.add_parser("profile")
+    d.add_argument("--ckpt", required=True)
+    d.add_argument("--out", required=True)
+    d.add_argument("--cells", default="1x64x64,32x64x64")
+    d.add_argument("--engine", default="aligned", choices=["aligned", "stock"])
     args = ap.parse_args(argv)
     if args.cmd == "ckpt":
         make_ckpt(args.config, args.out)
     elif args.cmd == "check":
         check(args.ckpt, args.out, which=tuple(args.engines.split(",")))
+    elif args.cmd == "profile":
+        profile(args.ckpt, args.out, [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")], args.engine)
     else:
         cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
         bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb)
