@@ -398,26 +398,18 @@ class RZAlignedForCausalLM(nn.Module):
                 p.data = view
 
         for layer in self.model.layers:
-            a = layer.self_attn
-            for pack, names in getattr(a, "rz_packs", {}).values():
-                start = 0
-                for n in names:
-                    leaf = getattr(a, n)
-                    fix(leaf, pack[start:start + leaf.weight.shape[0]])
-                    start += leaf.weight.shape[0]
-            mlps = [layer.mlp] + ([layer.mlp.shared_experts] if hasattr(layer.mlp, "shared_experts") else [])
-            for m in mlps:
-                for pack, names in getattr(m, "rz_packs", {}).values():
+            owners = [layer.self_attn, layer.mlp, getattr(layer.mlp, "shared_experts", None)]
+            for m in owners:
+                for pack, names in (getattr(m, "rz_packs", None) or {}).values():
                     start = 0
-                    for n in names:
+                    for n in names:  # row blocks in order
                         leaf = getattr(m, n)
                         fix(leaf, pack[start:start + leaf.weight.shape[0]])
                         start += leaf.weight.shape[0]
             st = getattr(layer.mlp, "rz_stacks", None)
-            if st is not None:
-                for e, ex in enumerate(layer.mlp.experts):
-                    for n, t in st.items():
-                        fix(getattr(ex, n), t[e])
+            for e, ex in enumerate(layer.mlp.experts if st is not None else []):
+                for n, t in st.items():
+                    fix(getattr(ex, n), t[e])
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.c.tie_word_embeddings else self.lm_head.weight
