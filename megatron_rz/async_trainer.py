@@ -269,8 +269,8 @@ class _Producer:
         b = self.batches[k]
         idx = len(b["problems"])
         b["problems"].append(problem)
-        self.gen.submit(self.side.encode([problem]), n=r.samples_per_prompt, temperature=r.temperature,
-                        top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed, tag=(k, idx))
+        self.gen.submit(self.side.encode([problem]), n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
+                        seed=seed, tag=(k, idx), **r.sampling_kwargs())
 
     def collect(self, fg) -> None:
         """Rewards and the algorithm's per-group shaping for one finished group."""
@@ -626,7 +626,7 @@ def _pure_lag0_bitwise(learner_logp, batch, learner_version: int) -> dict:
 
 def _train_step(learner, batch, loss_fn, recipe: Recipe) -> dict:
     return learner.train_step(
-        batch.input_ids, loss_fn, temperature=recipe.rollout.temperature,
+        batch.input_ids, loss_fn, **recipe.rollout.sampling_contract(),
         micro_batch_size=recipe.algo.micro_batch_size, old_logprobs=batch.old_logprobs,
         advantages=batch.advantages, loss_mask=batch.loss_mask, token_weight=batch.token_weight)
 

@@ -10,6 +10,14 @@ reference.
 
 `inject_fault` ("vllm:NAME" or "learner:NAME") scales one parameter on one side by 1 + 2**-8
 before the check: the localiser's self-test (the report must then name that parameter's op).
+"vllm:sampling.KEY=VALUE" / "learner:sampling.KEY=VALUE" (KEY temperature, top_k or top_p) makes
+that side sample / score with one sampling parameter changed: the report must then name the
+sampling stage.
+
+Both sides use the recipe's sampling contract (rollout.temperature, top_k, top_p;
+kernels/sampling.py): vLLM reports the processed logprob of the distribution it sampled from and
+the learner computes the same one. `run_check(..., sampling_grid=[...])` checks several settings
+on one engine and one learner (benchmarks/sampling_grid.py).
 """
 
 from __future__ import annotations
@@ -25,14 +33,13 @@ from megatron_rz.recipe import Recipe
 from megatron_rz.trainer import RolloutSide, _broadcast, _rank, build_batch, prepare_base_model
 
 
-def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int) -> dict[str, list]:
+def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int, sampling: dict) -> dict[str, list]:
     rng = random.Random(recipe.schedule.seed + 7)
     problems = side.task.sample(rng, num_prompts)
     # Mixed lengths: drop a random number of leading prompt characters from some prompts.
     ids = side.encode(problems)
     ids = [p[rng.randint(0, max(0, len(p) - 2)) :] if i % 3 == 1 else p for i, p in enumerate(ids)]
-    r = recipe.rollout
-    kw = dict(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    kw = dict(max_new_tokens=recipe.rollout.max_new_tokens, **sampling)
     out = {f"{num_prompts} concurrent x {samples}": side.engine.generate(ids, n=samples, seed=11, **kw)}
     alone = []
     for i, p in enumerate(ids):
@@ -46,8 +53,33 @@ def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int
 FAULT_FACTOR = 1.0 + 2.0**-8
 
 
+def _sampling_fault(fault: str | None) -> tuple[dict, dict]:
+    """``vllm:sampling.KEY=VALUE`` / ``learner:sampling.KEY=VALUE``: that side samples / scores with
+    one sampling parameter changed (the localiser must then name the sampling stage).
+    Returns (vLLM overrides, learner overrides)."""
+    import yaml
+
+    if not fault:
+        return {}, {}
+    where, _, name = fault.partition(":")
+    if not name.startswith("sampling."):
+        return {}, {}
+    key, eq, raw = name.removeprefix("sampling.").partition("=")
+    if not eq or key not in ("temperature", "top_k", "top_p"):
+        raise ValueError(f"--inject-fault {fault!r}: expected SIDE:sampling.KEY=VALUE with KEY temperature, top_k "
+                         "or top_p, e.g. vllm:sampling.top_p=0.8")
+    over = {key: yaml.safe_load(raw)}
+    if where == "vllm":
+        return over, {}
+    if where == "learner":
+        return {}, over
+    raise ValueError(f"--inject-fault must start with vllm: or learner:, not {fault!r}")
+
+
 def _inject(fault: str, learner, side) -> None:
     where, _, name = fault.partition(":")
+    if name.startswith("sampling."):
+        return  # a sampling-parameter fault: applied per call (_sampling_fault)
     if where == "vllm":
         if side is not None:
             side.engine.perturb_parameter(name, FAULT_FACTOR)
@@ -61,7 +93,24 @@ def _inject(fault: str, learner, side) -> None:
         raise ValueError(f"--inject-fault must be vllm:PARAM or learner:PARAM, not {fault!r}")
 
 
-def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fault: str | None = None) -> dict:
+def _with_sampling(recipe: Recipe, setting: dict | None) -> Recipe:
+    if not setting:
+        return recipe
+    data = recipe.model_dump()
+    data["rollout"].update(setting)
+    return Recipe.model_validate(data)  # the contract checks apply to every grid point
+
+
+def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fault: str | None = None,
+              sampling_grid: list[dict] | None = None) -> dict:
+    """One learner and one engine. ``sampling_grid``: rollout sampling settings (e.g.
+    ``[{"top_p": 0.9, "temperature": 0.7}, {"top_k": 5}]``) checked one after another on the same
+    engine; the report then has one entry per setting under "grid". A setting may carry its own
+    ``"inject_fault": "vllm:sampling.top_p=0.8"`` (sampling faults only)."""
+    if sampling_grid is not None and any(
+            not str(g.get("inject_fault", "x:sampling.")).partition(":")[2].startswith("sampling.")
+            for g in sampling_grid):
+        raise ValueError("a grid point's inject_fault must be a sampling fault (SIDE:sampling.KEY=VALUE)")
     from megatron_rz.learner import Learner
     from megatron_rz.model import init_parallel
 
@@ -81,10 +130,35 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     side = RolloutSide(recipe, rollout_dir) if _rank() == 0 else None
     if inject_fault:
         _inject(inject_fault, learner, side)
-    scenarios = _broadcast(_scenarios(side, recipe, num_prompts, samples) if side else None)
-    T = recipe.rollout.temperature
+    vllm_fault, learner_fault = _sampling_fault(inject_fault)
     report: dict = {"mode": recipe.mode, "arch": recipe.model.arch, "dtype": recipe.model.dtype, "fp8": recipe.model.fp8,
-                    "layout": recipe.parallel.model_dump(), "scenarios": {}}
+                    "layout": recipe.parallel.model_dump()}
+    if sampling_grid is None:
+        report.update(_check_setting(recipe, learner, side, rollout_dir, num_prompts, samples, vllm_fault, learner_fault))
+    else:
+        report["grid"] = []
+        for setting in sampling_grid:
+            setting = dict(setting)
+            fault = setting.pop("inject_fault", None)  # a sampling fault for this grid point only
+            vf, lf = _sampling_fault(fault) if fault else (vllm_fault, learner_fault)
+            rec = _with_sampling(recipe, setting)
+            one = _check_setting(rec, learner, side, rollout_dir, num_prompts, samples, vf, lf)
+            report["grid"].append({**one, **({"inject_fault": fault} if fault else {})})
+        report["all_bitwise_equal"] = all(g["all_bitwise_equal"] for g in report["grid"])
+    if side:
+        side.engine.close()
+    return report
+
+
+def _check_setting(recipe: Recipe, learner, side, rollout_dir, num_prompts: int, samples: int, vllm_fault: dict,
+                   learner_fault: dict) -> dict:
+    """Every scenario of one sampling setting: {"sampling", "scenarios", "all_bitwise_equal"[, "localisation"]}."""
+    vllm_kw = {**recipe.rollout.sampling_kwargs(), **vllm_fault}
+    learner_kw = {**recipe.rollout.sampling_contract(), **learner_fault}
+    scenarios = _broadcast(_scenarios(side, recipe, num_prompts, samples, vllm_kw) if side else None)
+    report: dict = {"sampling": recipe.rollout.sampling_contract(), "scenarios": {}}
+    if vllm_fault or learner_fault:  # an injected sampling fault: what each side really ran with
+        report.update(vllm_sampling=vllm_kw, learner_sampling=learner_kw)
     all_equal = True
     first_bad_prompt = None  # a prompt whose sample mismatched: the localiser replays it
     for name, samples_ in scenarios.items():
@@ -94,8 +168,12 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
         variants["micro-batch 5, 7 extra pad columns"] = (5, 7)  # another padded length
         for label, (mbs, extra) in variants.items():
             ids = torch.nn.functional.pad(batch.input_ids, (0, extra), value=0)
-            logp = learner.logprobs(ids, temperature=T, micro_batch_size=mbs)[:, :S]
+            logp = learner.logprobs(ids, micro_batch_size=mbs, **learner_kw)[:, :S]
             stats = mismatch_stats(logp, batch.old_logprobs, batch.loss_mask)
+            # a token alone in its kept set has logprob exactly 0 on both sides whatever the numerics:
+            # the share of such tokens says how much of "bitwise" is trivially so
+            sel = batch.loss_mask.bool()
+            stats["frac_rollout_logprob_zero"] = (batch.old_logprobs[sel] == 0).double().mean().item() if sel.any() else 0.0
             report["scenarios"][f"{name}; learner {label}"] = stats
             all_equal &= stats["frac_bitwise"] == 1.0
             if first_bad_prompt is None and stats["frac_bitwise"] < 1.0:
@@ -106,32 +184,41 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     if not all_equal and recipe.mode == "aligned":
         from megatron_rz.localise import localise
 
-        report["localisation"] = localise(learner, side, rollout_dir, recipe, first_bad_prompt)
-    if side:
-        side.engine.close()
+        report["localisation"] = localise(learner, side, rollout_dir, recipe, first_bad_prompt,
+                                          vllm_sampling=vllm_kw, learner_sampling=learner_kw)
     return report
 
 
 def print_report(report: dict) -> None:
     from rich.console import Console
+
+    for one in report.get("grid") or [report]:
+        _print_setting(report, one)
+    verdict = "ALL sampled-token logprobs bitwise equal" if report["all_bitwise_equal"] else "logprobs differ"
+    Console().print(f"[bold]{verdict}[/bold]")
+
+
+def _print_setting(report: dict, one: dict) -> None:
+    from rich.console import Console
     from rich.table import Table
 
     fp8 = f" fp8={report['fp8']}" if report.get("fp8", "none") != "none" else ""
-    t = Table(title=f"rz check: {report['arch']} {report['dtype']}{fp8} mode={report['mode']} layout={report['layout']}")
+    sampling = " ".join(f"{k}={v}" for k, v in one.get("sampling", {}).items())
+    t = Table(title=f"rz check: {report['arch']} {report['dtype']}{fp8} mode={report['mode']} layout={report['layout']}"
+                    f" sampling: {sampling}")
     for col in ("scenario", "tokens", "bitwise equal", "max |dlogp|", "D3", "KL k1"):
         t.add_column(col, justify="right" if col != "scenario" else "left")
-    for name, s in report["scenarios"].items():
-        t.add_row(name, str(s["tokens"]), f"{100 * s['frac_bitwise']:.2f}%", f"{s['max_abs_dlogp']:.3g}",
+    for name, s in one["scenarios"].items():
+        outside = f" ({s['tokens_outside_kept']} outside the learner's kept set)" if s.get("tokens_outside_kept") else ""
+        t.add_row(name, f"{s['tokens']}{outside}", f"{100 * s['frac_bitwise']:.2f}%", f"{s['max_abs_dlogp']:.3g}",
                   f"{s['d3']:.3g}", f"{s['kl_k1']:.3g}")
     c = Console()
     c.print(t)
-    if report.get("localisation"):
-        loc = report["localisation"]
+    if one.get("localisation"):
+        loc = one["localisation"]
         c.print(f"[bold]localisation[/bold]: {loc['summary']}")
         for who in ("vllm", "learner"):
             c.print(f"  {who}: {json.dumps(loc[who])}")
-    verdict = "ALL sampled-token logprobs bitwise equal" if report["all_bitwise_equal"] else "logprobs differ"
-    c.print(f"[bold]{verdict}[/bold]")
 
 
 def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | None = None) -> int:

@@ -5,6 +5,10 @@ All statistics are over response tokens (loss_mask == 1). With w = pi_learner / 
 - kl_k1 = mean(logp_rollout - logp_learner), the plain (unbiased, noisy) estimator;
 - ess = (sum w)^2 / (n * sum w^2), the normalised effective sample size (1.0 = on-policy);
 - frac_bitwise = fraction of tokens whose two logprobs are equal bit for bit;
+- tokens_outside_kept = sampled tokens the learner gives logprob -inf (outside its top-k / top-p
+  kept set: possible with policy lag or in fast mode, never at lag 0 in aligned mode); their w is
+  exactly 0 (in the w statistics) and they are left out of D3, kl_k1 and the |dlogp| figures, which
+  would be infinite;
 - entropy_est = -mean(logp_rollout): the sampled tokens' mean surprisal, a Monte-Carlo estimate of
   the rollout policy's per-token entropy (exact entropy needs the full vocabulary distribution,
   which neither engine returns per token).
@@ -24,12 +28,17 @@ def mismatch_stats(learner_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     if new.numel() == 0:
         return {}
     log_w = new - old
-    w = log_w.exp()
+    w = log_w.exp()  # exactly 0 for a token outside the learner's kept set (logp -inf)
+    fin = torch.isfinite(log_w)
+    lw = log_w[fin] if not bool(fin.all()) else log_w
+    wf = w[fin] if not bool(fin.all()) else w
+    nan = float("nan")
     return {
-        "d3": (w - 1 - log_w).mean().item(),
-        "kl_k1": (-log_w).mean().item(),
-        "max_abs_dlogp": log_w.abs().max().item(),
-        "mean_abs_dlogp": log_w.abs().mean().item(),
+        "d3": (wf - 1 - lw).mean().item() if lw.numel() else nan,
+        "kl_k1": (-lw).mean().item() if lw.numel() else nan,
+        "max_abs_dlogp": lw.abs().max().item() if lw.numel() else nan,
+        "mean_abs_dlogp": lw.abs().mean().item() if lw.numel() else nan,
+        "tokens_outside_kept": int((~fin).sum()),
         "frac_bitwise": (learner_logp[sel] == rollout_logp[sel]).double().mean().item(),
         "is_w_mean": w.mean().item(),
         "is_w_max": w.max().item(),

@@ -10,7 +10,10 @@ Batch conventions (the same on every rank of the layout):
 - The sequence is right-padded to a multiple of tp (sequence parallelism splits it).
 
 `logprobs` returns out[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1 and 0 at t = 0,
-computed as log_softmax(logits / temperature) in float32 (vocab-parallel when tp > 1).
+computed as log_softmax(logits / temperature) in float32 (vocab-parallel when tp > 1); with
+top-k / top-p (`top_k`, `top_p` arguments, the recipe's rollout settings) the processed logprob
+of kernels.sampled_logprobs instead, in both modes (the distribution the rollout sampled from;
+-inf for a token outside the kept set).
 
 `train_step` loss convention: for each micro batch `loss_fn(logp, rows)` returns
 `(loss_sum, metrics)` where loss_sum is a SUM over the micro batch's rows (responses) and every
@@ -51,6 +54,7 @@ import torch.distributed as dist
 from megatron_rz import hf_convert
 from megatron_rz.model import build_gpt_model, init_parallel
 from megatron_rz.recipe import AlgoConfig, ModelConfig, ParallelConfig
+from kernels.sampling import truncation_active
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -130,8 +134,10 @@ class Learner:
         start = min(self.dp_rank * per, batch)
         return torch.arange(start, min(start + per, batch)), per
 
-    def _forward_logp(self, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[b, S] token log-probs (with grad if enabled) for a micro batch every rank runs."""
+    def _forward_logp(self, ids: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """[b, S] token log-probs (with grad if enabled) for a micro batch every rank runs: the
+        processed logprob of the sampling settings (kernels.sampled_logprobs: temperature, then
+        top-k / top-p; -inf for a token outside the kept set, see kernels/sampling.py)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         ids = ids.to(self.device)  # rows are picked / padded on the CPU; the forward runs on the model's device
@@ -141,8 +147,9 @@ class Learner:
             ids = torch.cat([ids, ids.new_zeros(b, s_pad - s)], dim=1)
         pos = torch.arange(s_pad, device=ids.device).unsqueeze(0).expand(b, s_pad)
         target = ids[:, 1:s]
-        if self.mode == "aligned":
-            return self._aligned_logp(self.ddp(ids, pos, None)[:, : s - 1], target, temperature)
+        if self.mode == "aligned" or bool(truncation_active(self.model_cfg.vocab_size, top_k, top_p)):
+            # fast mode with top-k / top-p: the same processed logprob on the stock logits
+            return self._aligned_logp(self.ddp(ids, pos, None)[:, : s - 1], target, temperature, top_k, top_p)
         logits = self.ddp(ids, pos, None)[:, : s - 1].float() / temperature  # [b, s-1, V/tp]
         if self.tp == 1:
             lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -150,16 +157,20 @@ class Learner:
             lp = -vocab_parallel_cross_entropy(logits.contiguous(), target)
         return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
 
-    def _aligned_logp(self, logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
-        """fp32 logits [b, s-1, V/tp] (aligned output layer) -> [b, s] log-probs, exactly the
-        reference's `kernels.logprobs_from_logits` on full-vocabulary rows."""
+    def _aligned_logp(self, logits: torch.Tensor, target: torch.Tensor, temperature: float, top_k: int = 0,
+                      top_p: float = 1.0) -> torch.Tensor:
+        """fp32 logits [b, s-1, V/tp] (aligned output layer) -> [b, s] log-probs, exactly
+        `kernels.sampled_logprobs` on full-vocabulary rows (= the reference's
+        `kernels.logprobs_from_logits` when top-k / top-p are off): the engine's sampler calls the
+        same function (vllm_bridge/sampler_patch.py)."""
         import kernels
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
         b, s1 = target.shape
         if self.tp > 1:  # exact: an all-gather of the vocab shards (backward: take own shard)
             logits = gather_from_tensor_model_parallel_region(logits.contiguous())
-        lp = kernels.logprobs_from_logits(logits.reshape(b * s1, -1).contiguous(), target.reshape(-1), temperature)
+        lp = kernels.sampled_logprobs(logits.reshape(b * s1, -1).float().contiguous(), target.reshape(-1),
+                                      temperature, top_k, top_p)
         lp = lp.view(b, s1)
         return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
 
@@ -173,15 +184,18 @@ class Learner:
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
-        """Full [B, S] float32 log-probs on every rank (rows computed dp-split, then all-gathered)."""
+    def logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0, micro_batch_size: int | None = None, *,
+                 top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """Full [B, S] float32 log-probs on every rank (rows computed dp-split, then all-gathered),
+        processed with the sampling settings (temperature, top-k, top-p) the rollout used."""
         input_ids = input_ids.long().cpu()
         batch, _ = input_ids.shape
         mbs = micro_batch_size or self.algo.micro_batch_size
         rows, per = self._my_rows(batch)
         ids = self._pad_rows(input_ids[rows], per)
         self.ddp.eval()
-        out = torch.cat([self._forward_logp(ids[i : i + mbs], temperature) for i in range(0, per, mbs)], dim=0)
+        out = torch.cat([self._forward_logp(ids[i : i + mbs], temperature, top_k, top_p) for i in range(0, per, mbs)],
+                        dim=0)
         self.ddp.train()
         if self.dp > 1:
             parts = [torch.empty_like(out) for _ in range(self.dp)]
@@ -190,7 +204,7 @@ class Learner:
         return out[:batch].cpu()  # no-op on a CPU host
 
     def train_step(self, input_ids: torch.Tensor, loss_fn: LossFn, temperature: float = 1.0,
-                   micro_batch_size: int = 64, **per_row_tensors) -> dict:
+                   micro_batch_size: int = 64, top_k: int = 0, top_p: float = 1.0, **per_row_tensors) -> dict:
         """One optimizer step on the whole batch; see the module docstring for the conventions."""
         from megatron.core.distributed import finalize_model_grads
 
@@ -208,7 +222,7 @@ class Learner:
         loss_total = torch.zeros((), dtype=torch.float64)
         seen = []  # the logprobs the loss used, detached: returned so callers need no second forward
         for i in range(0, per, micro_batch_size):
-            logp = self._forward_logp(ids[i : i + micro_batch_size], temperature)
+            logp = self._forward_logp(ids[i : i + micro_batch_size], temperature, top_k, top_p)
             seen.append(logp.detach())
             real = rows[i : i + micro_batch_size]  # global rows of this micro batch (may be empty)
             n = real.numel()

@@ -8,6 +8,13 @@ Three traces of the same token sequence, tap by tap in forward order
   decode paths are both covered;
 - the learner: Megatron module forward hooks on the matching modules (tp = 1; with tp > 1 the
   activations are sharded and the learner side is skipped with a note).
+After the forward taps come the two output stages, at the response positions only: `logits` (the
+fp32 lm-head output that predicts each response token; vLLM records it in its sampler) and
+`sampling` (logits -> the processed logprob of the sampled token: temperature, top-k, top-p,
+kernels.sampled_logprobs; vLLM's is the logprob it reported, the learner's is Learner.logprobs
+with the recipe's sampling settings, the reference's is kernels.sampled_logprobs on the reference
+logits). So a mismatch in the sampling post-processing is named `sampling`, with every forward tap
+and the logits equal.
 The first tap where a side is not torch.equal to the reference names the op that diverges; its
 max |diff| and first position say how and where. A side equal at every tap while the batched
 check still differs points at batch variance (the divergence needs other sequences in the batch).
@@ -22,8 +29,12 @@ import torch
 TAPS_PER_LAYER = ("attn_norm", "attention", "attn_out", "mlp_norm", "mlp", "output")
 
 
+OUTPUT_TAPS = ("logits", "sampling")
+TAP_MEANING = {"sampling": "sampling (logits -> processed logprobs: temperature, top-k, top-p)"}
+
+
 def tap_order(num_layers: int) -> list[str]:
-    return [f"layer{i}.{t}" for i in range(num_layers) for t in TAPS_PER_LAYER] + ["final_norm"]
+    return [f"layer{i}.{t}" for i in range(num_layers) for t in TAPS_PER_LAYER] + ["final_norm", *OUTPUT_TAPS]
 
 
 def rows_by_tap(records) -> dict[str, torch.Tensor]:
@@ -34,21 +45,34 @@ def rows_by_tap(records) -> dict[str, torch.Tensor]:
     return {k: torch.cat(v, dim=0) for k, v in out.items()}
 
 
-def reference_trace(base: str, ids: list[int]) -> dict[str, torch.Tensor]:
-    """The reference's taps for one sequence."""
+def reference_trace(base: str, ids: list[int], dtype: str = "float32", prompt_len: int | None = None,
+                    sampling: dict | None = None) -> dict[str, torch.Tensor]:
+    """The reference's taps for one sequence, in the model dtype both engines run (``dtype``; the
+    checkpoint may be stored in another). With ``prompt_len`` also the output taps (logits and
+    sampling at the response positions, ``sampling`` = the recipe's contract settings)."""
+    import kernels
     from transformers import AutoConfig
 
     from vllm_bridge.aligned import reference as ref
 
     c = ref.arch_config(AutoConfig.from_pretrained(base))
-    sd = ref.load_state_dict(base)
+    dt = getattr(torch, dtype)
+    # As the engines load it: floating weights in the model dtype, DeepSeek's score bias kept fp32.
+    sd = {k: (v.to(dt) if v.is_floating_point() and not k.endswith("e_score_correction_bias") else v)
+          for k, v in ref.load_state_dict(base).items()}
     ref.TRACE = []
     try:
         ref.reference_hidden(c, sd, torch.tensor([ids]))
         records = ref.TRACE
     finally:
         ref.TRACE = None
-    return rows_by_tap(records)
+    out = rows_by_tap(records)
+    if prompt_len is not None and prompt_len < len(ids):
+        logits = ref.reference_logits(sd, c, torch.tensor([ids]))[0, prompt_len - 1 : len(ids) - 1].float()
+        out["logits"] = logits
+        out["sampling"] = kernels.sampled_logprobs(
+            logits, torch.tensor(ids[prompt_len:]), **(sampling or {})).reshape(-1, 1)
+    return out
 
 
 @contextmanager
@@ -74,6 +98,8 @@ def _learner_hooks(model, records: list):
         for t, m in mods.items():
             handles.append(m.register_forward_hook(hook(f"layer{i}.{t}")))
     handles.append(model.decoder.final_layernorm.register_forward_hook(hook("final_norm")))
+    if getattr(model, "output_layer", None) is not None:
+        handles.append(model.output_layer.register_forward_hook(hook("logits")))
     try:
         yield
     finally:
@@ -81,15 +107,24 @@ def _learner_hooks(model, records: list):
             h.remove()
 
 
-def learner_trace(learner, ids: list[int]) -> dict[str, torch.Tensor] | None:
-    """Collective (every learner rank calls it). None when tp > 1 (sharded activations)."""
+def learner_trace(learner, ids: list[int], prompt_len: int | None = None,
+                  sampling: dict | None = None) -> dict[str, torch.Tensor] | None:
+    """Collective (every learner rank calls it). None when tp > 1 (sharded activations). With
+    ``prompt_len`` the output taps are kept at the response positions only (as vLLM's)."""
     if learner.tp > 1:
         return None
     records: list = []
     with _learner_hooks(learner.model, records):
-        learner.logprobs(torch.tensor([ids]), micro_batch_size=1)
+        logp = learner.logprobs(torch.tensor([ids]), micro_batch_size=1, **(sampling or {}))
     S = len(ids)
-    return {k: v[:S] for k, v in rows_by_tap(records).items()}
+    out = {k: v[:S] for k, v in rows_by_tap(records).items()}
+    if prompt_len is not None and prompt_len < S:
+        if "logits" in out:
+            out["logits"] = out["logits"][prompt_len - 1 : S - 1]
+        out["sampling"] = logp[0, prompt_len:S].reshape(-1, 1).float()
+    else:
+        out.pop("logits", None)
+    return out
 
 
 def first_divergence(ref: dict[str, torch.Tensor], side: dict[str, torch.Tensor], order: list[str]) -> dict:
@@ -115,24 +150,32 @@ def first_divergence(ref: dict[str, torch.Tensor], side: dict[str, torch.Tensor]
     return {"first_diverging_tap": None, "taps_compared": compared}
 
 
-def localise(learner, side, base, recipe, prompt_ids: list[int] | None) -> dict:
+def localise(learner, side, base, recipe, prompt_ids: list[int] | None, vllm_sampling: dict | None = None,
+             learner_sampling: dict | None = None) -> dict:
     """Collective. Rank 0 (which owns `side`, the rollout) passes the prompt of a mismatching
-    sample; returns the report on rank 0 ({} elsewhere)."""
+    sample; returns the report on rank 0 ({} elsewhere). ``vllm_sampling`` / ``learner_sampling``:
+    the sampling settings each side ran with (default: the recipe's; they differ only under an
+    injected sampling fault); the reference uses the recipe's contract."""
     from megatron_rz.trainer import _broadcast
 
     order = tap_order(recipe.model.num_layers)
+    contract = recipe.rollout.sampling_contract()
     seq, vllm_taps = None, None
     if side is not None:
-        r = recipe.rollout
-        sample, trace = side.engine.traced_generate(
-            prompt_ids, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=12345)
+        kw = dict(vllm_sampling or recipe.rollout.sampling_kwargs())
+        sample, trace = side.engine.traced_generate(prompt_ids, max_new_tokens=recipe.rollout.max_new_tokens,
+                                                    seed=12345, **kw)
         seq = list(prompt_ids) + list(sample.response_ids)
         vllm_taps = rows_by_tap(trace)
+        if sample.response_ids:  # the logprobs vLLM reported: its sampling stage
+            vllm_taps["sampling"] = torch.tensor(sample.logprobs, dtype=torch.float32).reshape(-1, 1)
     seq = _broadcast(seq)
-    learner_taps = learner_trace(learner, seq)
+    prompt_len = len(prompt_ids) if prompt_ids is not None else None
+    prompt_len = _broadcast(prompt_len)
+    learner_taps = learner_trace(learner, seq, prompt_len, learner_sampling or contract)
     if side is None:
         return {}
-    ref = reference_trace(str(base), seq)
+    ref = reference_trace(str(base), seq, recipe.model.dtype, prompt_len, contract)
     report = {"sequence_tokens": len(seq), "vllm": first_divergence(ref, vllm_taps, order)}
     report["learner"] = (first_divergence(ref, learner_taps, order) if learner_taps is not None
                          else {"skipped": "learner taps are sharded at tp > 1; rerun rz check with parallel.tp=1"})
@@ -142,7 +185,8 @@ def localise(learner, side, base, recipe, prompt_ids: list[int] | None) -> dict:
             return "not traced"
         if d["first_diverging_tap"] is None:
             return "equals the reference at every tap"
-        return f"diverges first at {d['first_diverging_tap']}"
+        tap = d["first_diverging_tap"]
+        return f"diverges first at {TAP_MEANING.get(tap, tap)}"
     report["summary"] = f"vLLM {verdict(report['vllm'])}; learner {verdict(report['learner'])}"
     if all(report[w].get("first_diverging_tap", 0) is None for w in ("vllm", "learner")):
         report["summary"] += (" (replayed alone, both sides match: the mismatch needs other sequences in the "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -188,8 +188,20 @@ class RolloutConfig(_Strict):
     samples_per_prompt: int = 8
     prompts_per_step: int = 16
     max_new_tokens: int = 8
+    # The sampling contract (kernels/sampling.py): the rollout logprob is that of the distribution
+    # sampled from (temperature, then top-k, then top-p); the learner computes the same one.
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # 1: off
+    top_k: int = -1  # -1 / 0: off; ties at the k-th logit go to the lower token id
+    # What vLLM also honours but the learner does not compute: refused in mode=aligned (see
+    # Recipe._sampling_contract); in mode=fast passed to vLLM as they are (its logprobs then include
+    # them and the learner's do not: a mismatch fast mode reports).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
     max_num_seqs: int = 256
     kv_cache_gb: float = 1.0
     # The engine's dtype; None = model.dtype. mode=fast only: e.g. bf16 rollouts beside an fp32
@@ -211,6 +223,35 @@ class RolloutConfig(_Strict):
         if not 0 < v <= 1:
             raise ValueError("rollout.top_p must be in (0, 1]")
         return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError("rollout.top_k must be -1 or 0 (off) or >= 1")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError("rollout.min_p must be in [0, 1] (0: off)")
+        return v
+
+    # field name -> its neutral value (what vLLM does when the field is off)
+    OUTSIDE_CONTRACT: ClassVar[dict[str, Any]] = {
+        "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "logit_bias": {}, "min_tokens": 0,
+    }
+
+    def sampling_contract(self) -> dict[str, Any]:
+        """The settings both sides compute with (learner logprobs, kernels.sampled_logprobs)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Everything the engine's generate() takes: the contract plus any non-neutral extra."""
+        extra = {k: getattr(self, k) for k, off in self.OUTSIDE_CONTRACT.items() if getattr(self, k) != off}
+        return {**self.sampling_contract(), **extra}
 
     @field_validator("samples_per_prompt")
     @classmethod
@@ -325,6 +366,19 @@ class Recipe(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     # Where `rz submit` runs the recipe (SLURM); unused by rz train. See megatron_rz/cluster.py.
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _sampling_contract(self) -> Recipe:
+        """mode=aligned: a rollout sampling field the learner does not compute is refused."""
+        if self.mode == "aligned":
+            r = self.rollout
+            for key, off in r.OUTSIDE_CONTRACT.items():
+                if getattr(r, key) != off:
+                    raise ValueError(
+                        f"rollout.{key}={getattr(r, key)!r} is outside the aligned sampling contract (temperature, "
+                        f"top_k, top_p; kernels/sampling.py): vLLM would apply it and the learner would not; set "
+                        f"rollout.{key}={off!r} or use mode=fast")
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:

@@ -123,10 +123,9 @@ class RolloutSide:
         samples = self.engine.generate(
             self.encode(problems),
             n=r.samples_per_prompt,
-            temperature=r.temperature,
-            top_p=r.top_p,
             max_new_tokens=r.max_new_tokens,
             seed=seed,
+            **r.sampling_kwargs(),  # temperature, top_k, top_p (+ fast-mode extras)
         )
         for s in samples:
             s.reward = self.task.reward(problems[s.group], self.decode(s.response_ids))
@@ -265,11 +264,10 @@ def train(recipe: Recipe) -> dict:
         batch = _broadcast(batch)
         t1 = time.perf_counter()
 
-        T = recipe.rollout.temperature
         out = learner.train_step(
             batch.input_ids,
             loss_fn,
-            temperature=T,
+            **recipe.rollout.sampling_contract(),  # the distribution the rollout sampled from
             micro_batch_size=recipe.algo.micro_batch_size,
             old_logprobs=batch.old_logprobs,
             advantages=batch.advantages,

@@ -3,6 +3,8 @@
 * generate(): G samples per prompt with the sampled tokens' *processed* logprobs
   (logprobs_mode="processed_logprobs": log_softmax(logits / T), after top-p/top-k masking when
   those are active), so the rollout logprob is the probability the token was really drawn with.
+  In aligned engines that processing is kernels.sampling's (vllm_bridge/sampler_patch.py), the
+  function the learner calls.
 * score(): vLLM's own logprob of every token of given sequences (prompt logprobs), for weight-sync
   checks and learner/rollout parity.
 * update_weights(): full HF-named tensors pushed into the running engine in place.
@@ -312,6 +314,10 @@ class RolloutEngine:
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
             if fp8 is not None:
                 kwargs["hf_overrides"]["rz_fp8"] = self.fp8
+            # The sampler computes the processed logprob with kernels.sampling, the learner's
+            # function (vllm_bridge/sampler_patch.py); it patches the V1 model runner's sampler.
+            env["RZ_ALIGNED_SAMPLER"] = "1"
+            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))
             if self.is_mla or _is_deepseek_v4(self.model_dir):
                 # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.
@@ -358,6 +364,12 @@ class RolloutEngine:
         # (pid, start time) of the worker processes, to reap them in close() if the engine core
         # died without taking them down.
         self._worker_procs = [(pid, _proc_start_time(pid)) for pid in self._rpc("rz_pid")]
+        if aligned and not all(self._rpc("rz_aligned_sampler")):
+            self.close()
+            raise RolloutEngineError(
+                "aligned engine without the aligned sampler (vllm_bridge.sampler_patch): this vLLM's V1 "
+                "Sampler was not patched, or the V2 model runner is in use (VLLM_USE_V2_MODEL_RUNNER=1); the "
+                "processed logprobs would not be the learner's. Use vLLM 0.32 (CPU) / 0.26 (CUDA) with the V1 runner.")
         if kwargs.get("skip_tokenizer_init"):  # token ids in and out (benchmarks): EOS from config.json
             self.eos_token_id = _config(self.model_dir).get("eos_token_id")
         else:
@@ -493,12 +505,15 @@ class RolloutEngine:
         max_new_tokens: int = 64,
         seed: int | None = None,
         top_k: int = -1,
+        **sampling_kwargs: Any,
     ) -> list[Sample]:
         """n samples per prompt, grouped by prompt: result[i*n + j] is sample j of prompt i.
 
         Stops at the model's EOS (included as the last response token, finish_reason "stop") or
         after max_new_tokens (finish_reason "length"). With ``seed`` the result is reproducible
-        (prompt i uses seeds seed + i*n .. seed + i*n + n-1).
+        (prompt i uses seeds seed + i*n .. seed + i*n + n-1). ``sampling_kwargs``: other vLLM
+        SamplingParams fields (penalties, min_p, ...; fast mode only: an aligned engine's sampler
+        refuses what the learner does not compute, vllm_bridge/sampler_patch.py).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -517,6 +532,7 @@ class RolloutEngine:
                     seed=None if seed is None else int(seed) + i * n,
                     skip_special_tokens=False,
                     detokenize=False,
+                    **sampling_kwargs,
                 )
             )
         version = self._version
@@ -545,6 +561,7 @@ class RolloutEngine:
                         index_in_group=c.index,
                         temperature=temperature,
                         top_p=top_p,
+                        top_k=top_k,
                     )
                 )
         return samples

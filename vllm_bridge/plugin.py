@@ -8,7 +8,8 @@ where weights are (re)loaded. Must stay light and never import megatron.
 
 
 def register() -> None:
-    from vllm_bridge import vllm_patches
+    from vllm_bridge import sampler_patch, vllm_patches
 
     vllm_patches.apply()
+    sampler_patch.apply()  # aligned engines' sampler: the kernels.sampling contract
     __import__("vllm_bridge.aligned", fromlist=["register_aligned"]).register_aligned()

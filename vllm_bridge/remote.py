@@ -593,10 +593,10 @@ class RemoteRolloutEngine:
         return self._call_all("weight_version", {})
 
     def generate(self, prompt_ids: list[list[int]], n: int, *, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 64, seed: int | None = None, top_k: int = -1) -> list:
+                 max_new_tokens: int = 64, seed: int | None = None, top_k: int = -1, **sampling_kwargs) -> list:
         spans = [s for s in self._chunks(len(prompt_ids)) if s[1] > s[0]]
         kws = [dict(prompt_ids=[list(map(int, p)) for p in prompt_ids[a:b]], n=n, temperature=temperature,
-                    top_p=top_p, max_new_tokens=max_new_tokens, top_k=top_k,
+                    top_p=top_p, max_new_tokens=max_new_tokens, top_k=top_k, **sampling_kwargs,
                     seed=None if seed is None else int(seed) + a * n) for a, b in spans]
         samples = []
         for (a, _), part in zip(spans, self._call_all("generate", kws)):

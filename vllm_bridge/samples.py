@@ -26,6 +26,7 @@ class Sample:
     index_in_group: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1 / 0: off
     info: dict = field(default_factory=dict)
 
     @property

@@ -180,6 +180,12 @@ class WeightSyncExtension:
         with torch.no_grad():
             p.mul_(factor)
 
+    def rz_aligned_sampler(self) -> bool:
+        """Whether this worker's sampler is the aligned one (vllm_bridge.sampler_patch)."""
+        from vllm_bridge.sampler_patch import is_aligned
+
+        return is_aligned(getattr(self.model_runner, "sampler", None))
+
     def rz_pid(self) -> int:
         import os
 

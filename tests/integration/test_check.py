@@ -77,7 +77,8 @@ def test_localiser_names_the_layer_and_op_of_an_injected_fault(moe_dir):
     loc = report["localisation"]
     assert loc["vllm"]["first_diverging_tap"] == "layer1.mlp_norm", loc
     assert loc["vllm"]["taps_equal_before"] == 9 and loc["vllm"]["max_abs_diff"] > 0, loc
-    assert loc["learner"]["first_diverging_tap"] is None and loc["learner"]["taps_compared"] == 13, loc
+    # 2 layers x 6 taps + final_norm + the output taps logits and sampling
+    assert loc["learner"]["first_diverging_tap"] is None and loc["learner"]["taps_compared"] == 15, loc
     assert "vLLM diverges first at layer1.mlp_norm" in out.stdout
 
 
@@ -94,3 +95,47 @@ def test_aligned_tiny_dsv3_bf16_is_bitwise(tmp_path):
     out, report = _rz_check("tiny_dsv3.yaml", tmp_path, "mode=aligned", "model.dtype=bfloat16", prompts=8, samples=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert report["dtype"] == "bfloat16" and report["arch"] == "deepseek_v3" and report["all_bitwise_equal"] is True
+
+
+# Sampling post-processing (issue 14): a few temperature / top-k / top-p settings on ONE engine and
+# ONE learner (megatron_rz.check.run_check's sampling_grid), the last with vLLM sampling at top_k=2
+# while the contract (learner, reference) says 3: the localiser must name the sampling stage, with
+# every forward tap and the logits equal. (The full grid, by hand: benchmarks/sampling_grid.py.)
+SAMPLING_GRID = [
+    {"temperature": 0.7, "top_p": 0.9},
+    {"temperature": 1.3, "top_k": 5},
+    {"temperature": 1.0, "top_k": 20, "top_p": 0.5},
+    {"temperature": 1.0, "top_k": 3, "inject_fault": "vllm:sampling.top_k=2"},
+]
+_GRID_SCRIPT = """
+import json, sys
+from megatron_rz.check import run_check
+from megatron_rz.recipe import load_recipe
+recipe = load_recipe(sys.argv[1], sys.argv[3:])
+report = run_check(recipe, 6, 2, sampling_grid=json.loads(sys.argv[2]))
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_sampling_grid_is_bitwise_and_the_localiser_names_the_sampling_stage(moe_dir):
+    cmd = [sys.executable, "-c", _GRID_SCRIPT, str(ROOT / "recipes" / "tiny_moe.yaml"), json.dumps(SAMPLING_GRID),
+           f"logging.run_dir={moe_dir}", *SMALL, "mode=aligned"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                         env={**os.environ, "WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    report = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("REPORT "))[7:])
+    grid = report["grid"]
+    assert [g["sampling"] for g in grid] == [
+        {"temperature": 0.7, "top_k": -1, "top_p": 0.9}, {"temperature": 1.3, "top_k": 5, "top_p": 1.0},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.5}, {"temperature": 1.0, "top_k": 3, "top_p": 1.0}]
+    for g in grid[:3]:
+        assert g["all_bitwise_equal"] is True, g
+        for name, s in g["scenarios"].items():
+            assert s["tokens"] > 0 and s["frac_bitwise"] == 1.0 and s["tokens_outside_kept"] == 0, (g["sampling"], name)
+    bad = grid[3]
+    assert bad["all_bitwise_equal"] is False and bad["inject_fault"] == "vllm:sampling.top_k=2"
+    loc = bad["localisation"]
+    assert loc["vllm"]["first_diverging_tap"] == "sampling", loc
+    assert loc["vllm"]["taps_equal_before"] == 14, loc  # 12 layer taps, final_norm, logits
+    assert loc["learner"]["first_diverging_tap"] is None and loc["learner"]["taps_compared"] == 15, loc
+    assert "vLLM diverges first at sampling" in loc["summary"], loc

