@@ -331,7 +331,10 @@ class ScheduleConfig(_Strict):
     # Policy lag bound: the learner may train on samples generated up to max_lag updates ago.
     # 0 = synchronous (rollout, update, sync in turn); k > 0 = rollout and learner run at once.
     max_lag: NonNeg = 0
-    eval_every: NonNeg = 0  # 0: evaluate only before and after the run
+    eval_every: NonNeg = 0
+    # A local vLLM engine that dies mid-rollout is restarted with the current weights and the step's
+    # rollout re-run (same seeds) this many times per run (synchronous trainer); then the run stops.
+    engine_restarts: NonNeg = 2  # 0: evaluate only before and after the run
 
 
 class LoggingConfig(_Strict):

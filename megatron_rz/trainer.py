@@ -101,6 +101,8 @@ class RolloutSide:
             tensor_parallel_size=r.tensor_parallel_size,
             fp8=recipe.model.fp8,  # the same blockwise FP8 linears as the learner (or none)
         )
+        self.restarts = 0  # engine restarts after it died (restart_engine; local engines only)
+        self._restart_args = None
         if remote is not None:
             started = remote.start(str(Path(model_dir).resolve()), **engine_kwargs)
             print("[rz] rollout engines on the rollout nodes: " + ", ".join(
@@ -111,6 +113,20 @@ class RolloutSide:
             from vllm_bridge.engine import RolloutEngine
 
             self.engine = RolloutEngine(str(model_dir), **engine_kwargs, **(engine_extra or {}))
+            self._restart_args = (str(model_dir), {**engine_kwargs, **(engine_extra or {})})
+
+    def restart_engine(self, weights: dict | None, version: int) -> None:
+        """A new local engine in place of a dead one, holding `weights` (None: the base model's)."""
+        import contextlib
+
+        from vllm_bridge.engine import RolloutEngine
+
+        with contextlib.suppress(Exception):  # reaps what is left of the dead one
+            self.engine.close()
+        model_dir, kwargs = self._restart_args
+        self.engine = RolloutEngine(model_dir, **kwargs)
+        if weights is not None:
+            self.engine.update_weights(weights.items(), version=version)
 
     def encode(self, problems: list[Problem]) -> list[list[int]]:
         return [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
@@ -166,6 +182,35 @@ class RolloutSide:
             self.encode(problems), n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.recipe.rollout.max_new_tokens
         )
         return sum(self.task.reward(problems[s.group], self.decode(s.response_ids)) for s in samples) / len(problems)
+
+
+def restarting(side: RolloutSide, recipe: Recipe, step: int, weights: dict | None, version: int, call):
+    """call() (an engine operation of update `step`, 0-based). When the local engine dies
+    (RolloutEngineError: its engine core was killed, OOM, ...) a new one is started holding the
+    current `weights` (None: the base model's) and call() runs again from its start. At most
+    schedule.engine_restarts per run; then (and for remote engines) the error stops the run (rz
+    train names the checkpoint to resume from)."""
+    from vllm_bridge.engine import RolloutEngineError
+
+    while True:
+        try:
+            return call()
+        except RolloutEngineError as e:
+            if side._restart_args is None or side.restarts >= recipe.schedule.engine_restarts:
+                raise
+            side.restarts += 1
+            print(f"[rz] rollout engine died during update {step + 1} ({str(e).splitlines()[0][:200]}); "
+                  f"restarting it with the weights of version {version} (restart {side.restarts} of "
+                  f"{recipe.schedule.engine_restarts})", flush=True)
+            side.restart_engine(weights, version)
+
+
+def collect_restarting(side: RolloutSide, recipe: Recipe, step: int, weights: dict | None, version: int):
+    """side.collect for `step`, through `restarting`: a rollout cut short by a dead engine runs again
+    with the same prompts and seeds on the new engine (same weights), so the batch is the one the
+    dead engine would have produced: nothing lost or counted twice."""
+    return restarting(side, recipe, step, weights, version,
+                      lambda: side.collect(step_rng(recipe.schedule.seed, step), step))
 
 
 def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
@@ -253,13 +298,14 @@ def train(recipe: Recipe) -> dict:
     from megatron_rz.preemption import arm_sigterm_checkpoint
 
     arm_sigterm_checkpoint()  # from here SIGTERM checkpoints the current step, then exits
+    weights = weights if start_step else None  # what the engine holds (rank 0), for a restart
     steps = range(start_step, recipe.schedule.steps)
     bar = tqdm(steps, desc="REINFORCE Zero", disable=not (rank0 and recipe.logging.progress))
     for step in bar:
         t0 = time.perf_counter()
         batch = None
         if rank0:
-            samples = side.collect(step_rng(recipe.schedule.seed, step), step)
+            samples = collect_restarting(side, recipe, step, weights, learner.version)
             batch = build_batch(samples, side.tok.pad_token_id)
         batch = _broadcast(batch)
         t1 = time.perf_counter()
@@ -283,7 +329,8 @@ def train(recipe: Recipe) -> dict:
         # The stream is collective (TP/EP gathers): every rank walks it; rank 0 holds the full tensors.
         weights = learner.hf_weights_on_rank0()
         if rank0:
-            side.engine.update_weights(weights.items(), version=learner.version)
+            restarting(side, recipe, step, weights, learner.version,
+                       lambda: side.engine.update_weights(weights.items(), version=learner.version))
             r = recipe.rollout
             if r.verify_sync and (step % r.verify_every == 0 or step == recipe.schedule.steps - 1):
                 side.engine.verify_sync(weights.items())

@@ -231,3 +231,40 @@ def test_dead_engine_stops_the_run_with_one_line_naming_the_checkpoint(tmp_path,
     assert err[0].startswith(f"rz: stopped: {error}: {said}")
     assert str(checkpoint_dir(run, 4)) in err[0] and "checkpoint.load=latest" in err[0]
     assert not (run / "rz.lock").exists()  # the lock is released on the way out
+
+
+# ------------------------------------------------------------------------ engine restart (sync trainer)
+
+
+class _Side:
+    """RolloutSide as collect_restarting uses it; its engine dies `deaths` times mid-collect."""
+
+    def __init__(self, deaths: int, local: bool = True):
+        self.deaths, self.restarts, self.calls, self.restarted_with = deaths, 0, [], []
+        self._restart_args = ("base", {}) if local else None
+
+    def collect(self, rng, step):
+        self.calls.append((step, rng.random()))
+        if len(self.calls) <= self.deaths:
+            raise __import__("vllm_bridge.engine", fromlist=["x"]).RolloutEngineError("engine core died (-9)")
+        return ["samples of", step]
+
+    def restart_engine(self, weights, version):
+        self.restarted_with.append((weights, version))
+
+
+def test_dead_engine_is_restarted_with_current_weights_and_the_step_reruns_identically():
+    from megatron_rz.recipe import load_recipe
+    from megatron_rz.trainer import collect_restarting
+    from vllm_bridge.engine import RolloutEngineError
+
+    recipe = load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), ["schedule.engine_restarts=2"])
+    side = _Side(deaths=2)
+    w = {"model.norm.weight": torch.ones(2)}
+    assert collect_restarting(side, recipe, 5, w, 7) == ["samples of", 5]
+    assert side.restarted_with == [(w, 7), (w, 7)] and side.restarts == 2
+    assert len({c for c in side.calls}) == 1, "the re-run must draw the same prompts (same rng per step)"
+    with pytest.raises(RolloutEngineError):  # the budget is per run: the third death stops it
+        collect_restarting(_Side(deaths=3), recipe, 5, w, 7)
+    with pytest.raises(RolloutEngineError):  # remote engines (rollout hosts) are not restarted here
+        collect_restarting(_Side(deaths=1, local=False), recipe, 5, w, 7)
