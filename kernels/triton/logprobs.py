@@ -79,9 +79,9 @@ def _piece_stats_kernel(logits_ptr, stats_ptr, V, stride_row, n_pieces, temperat
 
 
 @triton.jit
-def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pieces, temperature,
-                  NP_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK: tl.constexpr):
+    """A row's (M, S) from its piece stats: M the max of the piece maxima, S the piece sums
+    rescaled to M and added in piece order from 0."""
     offs = tl.arange(0, NP_BLOCK)
     msk = offs < n_pieces
     st = stats_ptr + row * n_pieces * 2
@@ -92,6 +92,14 @@ def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pie
         m_p = tl.load(st + p * 2)
         s_p = tl.load(st + p * 2 + 1)
         S = S + s_p * _exp(m_p - M)
+    return M, S
+
+
+@triton.jit
+def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pieces, temperature,
+                  NP_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    M, S = _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK)
     t = tl.load(targets_ptr + row)
     zt = tl.load(logits_ptr + row * stride_row + t).to(tl.float32)
     zt = tl.math.div_rn(zt, temperature)
@@ -122,18 +130,9 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
 
 @triton.jit
 def _row_lse_kernel(stats_ptr, lse_ptr, n_pieces, NP_BLOCK: tl.constexpr):
-    """(M, log S) of a row from its piece stats: the same operations as _merge_kernel."""
+    """(M, log S) of a row from its piece stats (the same _row_max_sum as _merge_kernel)."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, NP_BLOCK)
-    msk = offs < n_pieces
-    st = stats_ptr + row * n_pieces * 2
-    m_all = tl.load(st + offs * 2, mask=msk, other=float("-inf"))
-    M = tl.max(m_all, axis=0)
-    S = 0.0
-    for p in range(0, n_pieces):
-        m_p = tl.load(st + p * 2)
-        s_p = tl.load(st + p * 2 + 1)
-        S = S + s_p * _exp(m_p - M)
+    M, S = _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK)
     tl.store(lse_ptr + row * 2, M)
     tl.store(lse_ptr + row * 2 + 1, _log(S))
 
