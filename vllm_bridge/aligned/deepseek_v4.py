@@ -43,8 +43,8 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.cache_config = vllm_config.cache_config
         # State of the shared RZAlignedForCausalLM.load_weights: this class keeps every weight whole
-        # (no tensor-parallel shards) and has no FP8 weight cache.
-        self.rz_shards, self.rz_tp, self.rz_fp8 = {}, 1, None
+        # (no tensor-parallel shards), has no FP8 weight cache and no packed GPU weights.
+        self.rz_shards, self.rz_tp, self.rz_fp8, self.rz_fast = {}, 1, None, False
         Hn, D = c.num_heads, c.head_dim
         # One cache width for every layer (vLLM sizes pages per layer; equal pages keep one group),
         # split into KV heads of 128 (vLLM's CPU attention metadata refuses other head sizes, e.g.
