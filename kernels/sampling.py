@@ -183,13 +183,15 @@ def processed_logprobs(logits: torch.Tensor, temperature: Num = 1.0, top_k: Num 
     """fp32 ``[N, V]`` processed logprobs of every token (``-inf`` outside the kept set).
 
     Truncated rows: bitwise the values :func:`sampled_logprobs` gathers (same elementwise ops).
-    Untruncated rows: ``log_softmax(l / T)`` with torch's CPU/GPU softmax; on CPU that is bitwise
-    ``logprobs_from_logits``; on CUDA (where that is a Triton kernel) the caller must take the
-    sampled token's value from :func:`sampled_logprobs` (the sampler patch does)."""
+    Untruncated rows: ``kernels.log_softmax(l, T)``, every column bitwise
+    ``logprobs_from_logits`` of that token on each device (CPU: torch's log_softmax; CUDA: the
+    Triton kernel the learner's logprobs use)."""
+    from . import dispatch
+
     T, k, p, active = _params(logits, temperature, top_k, top_p)
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for t, rows in _temperature_groups(T, (~active).nonzero().squeeze(1)):
-        out[rows] = (logits[rows].to(torch.float32) / t).log_softmax(dim=-1, dtype=torch.float32)
+        out[rows] = dispatch.log_softmax(logits[rows], t)
     trunc = active.nonzero().squeeze(1)
     if trunc.numel():
         lp_sorted, idx, _ = _truncated(logits[trunc], T[trunc], k[trunc], p[trunc])

@@ -111,8 +111,8 @@ def aligned_sample(sampler, logits: torch.Tensor, md) -> tuple[torch.Tensor, tor
         bad = (~torch.isfinite(token_lp)).nonzero().flatten().tolist()
         raise AlignedSamplingError(f"aligned sampler drew token(s) outside the kept set in rows {bad}: a bug")
     lp = kernels.processed_logprobs(logits, temp, top_k, top_p)
-    # The reported value is the learner's function (on CUDA, untruncated rows differ from the full
-    # row's torch log_softmax: the Triton logprob kernel decides).
+    # The sampled token's reported value is the learner's function itself (processed_logprobs
+    # gives the same bits on every device; written here so the report cannot drift from it).
     lp.scatter_(1, sampled.unsqueeze(1), token_lp.unsqueeze(1))
     _trace(logits, token_lp)
     return sampled, lp

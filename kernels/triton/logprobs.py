@@ -108,24 +108,33 @@ def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pie
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 log-prob of ``targets[...]`` under ``softmax(logits.float() / temperature)``."""
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    l2, stats = _piece_stats(logits, temperature)
+    out = torch.empty(l2.shape[0], device=logits.device, dtype=torch.float32)
+    if stats is None:
+        return out.reshape(targets.shape)
+    n_pieces = stats.shape[1]
+    _merge_kernel[(l2.shape[0],)](l2, stats, t, out, l2.stride(0), n_pieces, float(temperature),
+                                  NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
+    return out.reshape(targets.shape)
+
+
+def _piece_stats(logits: torch.Tensor, temperature: float):
+    """(rows [R, V] with a unit column stride, piece stats [R, n_pieces, 2]; None when R == 0)."""
     if not temperature > 0:
         raise ValueError("temperature must be > 0")
     V = logits.shape[-1]
     l2 = logits.reshape(-1, V)
     if l2.stride(-1) != 1:
         l2 = l2.contiguous()
-    t = targets.reshape(-1).to(torch.int64).contiguous()
     R = l2.shape[0]
-    out = torch.empty(R, device=logits.device, dtype=torch.float32)
     if R == 0:
-        return out.reshape(targets.shape)
+        return l2, None
     n_pieces = triton.cdiv(V, PIECE)
     stats = torch.empty(R, n_pieces, 2, device=logits.device, dtype=torch.float32)
     _piece_stats_kernel[(R, n_pieces)](l2, stats, V, l2.stride(0), n_pieces, float(temperature),
                                        PIECE=PIECE, BLOCK=BLOCK, num_warps=8)
-    _merge_kernel[(R,)](l2, stats, t, out, l2.stride(0), n_pieces, float(temperature),
-                        NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
-    return out.reshape(targets.shape)
+    return l2, stats
 
 
 @triton.jit
@@ -153,21 +162,13 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 ``log_softmax(logits.float() / temperature)`` of every column, ``[..., V]``: element
     ``[r, t]`` is bitwise :func:`logprobs_from_logits` of target t in row r (same piece stats, same
     merge, same final ``(z - M) - log S``). What the aligned engine's sampler reports on the GPU."""
-    if not temperature > 0:
-        raise ValueError("temperature must be > 0")
-    V = logits.shape[-1]
-    l2 = logits.reshape(-1, V)
-    if l2.stride(-1) != 1:
-        l2 = l2.contiguous()
-    R = l2.shape[0]
+    l2, stats = _piece_stats(logits, temperature)
+    R, V = l2.shape
     out = torch.empty(R, V, device=logits.device, dtype=torch.float32)
-    if R == 0:
+    if stats is None:
         return out.reshape(logits.shape)
-    n_pieces = triton.cdiv(V, PIECE)
-    stats = torch.empty(R, n_pieces, 2, device=logits.device, dtype=torch.float32)
+    n_pieces = stats.shape[1]
     lse = torch.empty(R, 2, device=logits.device, dtype=torch.float32)
-    _piece_stats_kernel[(R, n_pieces)](l2, stats, V, l2.stride(0), n_pieces, float(temperature),
-                                       PIECE=PIECE, BLOCK=BLOCK, num_warps=8)
     _row_lse_kernel[(R,)](stats, lse, n_pieces, NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
     _rows_out_kernel[(R, triton.cdiv(V, BLOCK))](l2, lse, out, V, l2.stride(0), out.stride(0), float(temperature),
                                                   BLOCK=BLOCK, num_warps=4)

@@ -129,8 +129,10 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
         kc, vc = self._caches(kv_cache)
         dv = self.rz_v_head_dim or kc.shape[-1]
         out = output.view(output.shape[0], self.num_heads, -1)
-        if dv < out.shape[-1]:
-            out[..., dv:] = 0
+        # rows the kernel does not write (tokens of a captured graph's padded requests, and the V
+        # channels past rz_v_head_dim) must be finite zeros, not the buffer's old contents: later
+        # row-wise ops (router, grouped MoE work list) run on every row
+        out.zero_()
         paged_attention(query.view(query.shape[0], self.num_heads, -1), kc, vc[..., :dv], md.block_table,
                         md.query_start_loc, md.seq_lens, self.scale, max_q_len=md.max_query_len,
                         out=out[..., :dv], num_seqs=md.num_reqs)
