@@ -317,6 +317,10 @@ def main(argv=None) -> int:
     d.add_argument("--cells", default="1x64x64,32x64x64")
     d.add_argument("--engine", default="aligned", choices=["aligned", "stock"])
     args = ap.parse_args(argv)
+    taken = os.path.join(args.out, "config.json") if args.cmd == "ckpt" else args.out
+    if os.path.exists(taken):  # never overwrite an earlier run's results or checkpoint
+        print(f"rollout_gpu: --out {args.out} already holds results; give another --out", file=sys.stderr)
+        return 2
     if args.cmd == "ckpt":
         make_ckpt(args.config, args.out)
     elif args.cmd == "check":
