@@ -151,7 +151,7 @@ def _engine(ckpt: str, aligned: bool, *, mem_gb: float, max_len: int, max_seqs: 
 
 def check(ckpt: str, out: str, *, which=("aligned", "stock")) -> dict:
     """Parity figures for each engine (see the module docstring)."""
-    from vllm_bridge.aligned import reference as ref
+    from kernels.models import qwen3_dsv3 as ref
 
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     V = cfg["vocab_size"]

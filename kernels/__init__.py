@@ -34,9 +34,11 @@ _EXPORTS = {
     "logprobs_from_logits": "dispatch",
     "log_softmax": "dispatch",
     "token_logprobs": "dispatch",
-    "sampled_logprobs": "dispatch",
-    "processed_logprobs": "dispatch",
-    "masked_logits": "dispatch",
+    # sampling post-processing (kernels/sampling.py): row-local torch ops on every device; rows
+    # without top-k / top-p go through dispatch.logprobs_from_logits (Triton on CUDA)
+    "sampled_logprobs": "sampling",
+    "processed_logprobs": "sampling",
+    "masked_logits": "sampling",
     "SamplingParams": "sampling",
     "truncation_active": "sampling",
     "quantize_act_groupwise": "dispatch",

@@ -35,7 +35,6 @@ from . import moe as _moe
 from . import norm as _norm
 from . import rope as _rope
 from . import router as _router
-from . import sampling as _sampling
 from ._common import with_reference_grad
 from .gemm import ROW_PARALLEL_K_SEGMENTS
 
@@ -45,7 +44,6 @@ __all__ = [
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "log_softmax", "token_logprobs",
     "quantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
-    "sampled_logprobs", "processed_logprobs", "masked_logits",
 ]
 
 _BACKEND = os.environ.get("RZ_KERNELS", "auto")
@@ -255,7 +253,7 @@ class _RouteWeights(torch.autograd.Function):
         score, norm, sf = ctx.cfg
         with torch.enable_grad():
             x = logits.detach().float().requires_grad_(True)
-            s = _router._softmax(x) if score == "softmax" else _router._sigmoid(x)
+            s = _router.softmax_scores(x) if score == "softmax" else _router.sigmoid_scores(x)
             w = s.gather(1, ids)
             if norm:
                 d = w.sum(-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0)
@@ -376,26 +374,6 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
         return _lp.token_logprobs(hidden, lm_head_weight, targets, temperature, logits_dtype=logits_dtype)
     logits = lm_head_logits(hidden, lm_head_weight, out_dtype=logits_dtype)
     return logprobs_from_logits(logits, targets, temperature)
-
-
-# ------------------------------------------------------------------- sampling post-processing
-# Temperature, top-k, top-p (kernels/sampling.py): plain row-local torch ops on every device (a
-# stable sort, elementwise arithmetic, tree_sum, a fixed Hillis-Steele scan); rows without top-k /
-# top-p go through logprobs_from_logits above (the Triton kernel on CUDA). The learner and the
-# aligned engine's sampler (vllm_bridge/sampler_patch.py) both call these.
-
-
-def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, top_k=0,
-                     top_p=1.0) -> torch.Tensor:
-    return _sampling.sampled_logprobs(logits, targets, temperature, top_k, top_p)
-
-
-def processed_logprobs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    return _sampling.processed_logprobs(logits, temperature, top_k, top_p)
-
-
-def masked_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    return _sampling.masked_logits(logits, temperature, top_k, top_p)
 
 
 # ---------------------------------------------------------------------------------------- FP8

@@ -151,10 +151,10 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Option
         xq, xs = quantize_act_groupwise(x_.reshape(-1, K))
         return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt).reshape(*x_.shape[:-1], N)
 
-    return with_reference_grad(fwd, _ste_reference(wq, ws, odt), x, bias, weight)
+    return with_reference_grad(fwd, ste_reference(wq, ws, odt), x, bias, weight)
 
 
-def _ste_reference(wq: torch.Tensor, ws: torch.Tensor, odt: torch.dtype):
+def ste_reference(wq: torch.Tensor, ws: torch.Tensor, odt: torch.dtype):
     """The plain-torch function whose autograd is fp8_linear's backward (straight-through): the linear
     with the dequantised weight; a master weight ``w_`` enters as ``deq + (w_ - w_.detach())``, which
     adds nothing to the value and gives ``w_`` the gradient the dequantised weight would get."""

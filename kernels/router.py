@@ -44,12 +44,14 @@ def router_logits(
     return linear(hidden, gate_weight, out_dtype=out_dtype)
 
 
-def _softmax(x: torch.Tensor) -> torch.Tensor:
+def softmax_scores(x: torch.Tensor) -> torch.Tensor:
+    """Softmax router scores over the last dim (exact max, tree sum): the reference and its backward."""
     e = torch.exp(x - x.amax(dim=-1, keepdim=True))
     return e / tree_sum(e, dim=-1, keepdim=True)
 
 
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+def sigmoid_scores(x: torch.Tensor) -> torch.Tensor:
+    """Sigmoid router scores, written as 1 / (1 + exp(-x)) (torch.sigmoid is not row-invariant on CPU)."""
     return 1.0 / (1.0 + torch.exp(-x))
 
 
@@ -70,9 +72,9 @@ def route(
     T, E = logits.shape
     x = logits.to(torch.float32)
     if score == "softmax":
-        scores = _softmax(x)
+        scores = softmax_scores(x)
     elif score == "sigmoid":
-        scores = _sigmoid(x)
+        scores = sigmoid_scores(x)
     elif score == "sqrtsoftplus":  # DeepSeek-V4
         from .dsv4 import sqrtsoftplus
 

@@ -1,6 +1,6 @@
 """Aligned ("trainer-inference invariant") Megatron-Core modules: every op of the forward is a
 `kernels` op, so the learner's token log-probs are bitwise those of
-`vllm_bridge.aligned.reference.reference_logprobs` (and of the aligned vLLM model) for the same
+`kernels.models.qwen3_dsv3.reference_logprobs` (and of the aligned vLLM model) for the same
 weights and tokens, whatever the micro-batch size, the batch composition, right padding, TP (1/2)
 or EP (1/2).
 
@@ -29,7 +29,7 @@ keeps in e4m3 (attention projections; dense, shared and routed expert gate/up/do
 `kernels.fake_quant_linear(x, master_weight)`: the master weight (model dtype, what the optimizer
 updates) is quantised per 128x128 block at every forward, the activation per 1x128 group, then the
 block-scaled GEMM -- bitwise what the engine computes from the same weights quantised once at load
-(`vllm_bridge.aligned.reference.project`). Gradients: straight-through to x and to the master weight.
+(`kernels.models.qwen3_dsv3.project`). Gradients: straight-through to x and to the master weight.
 Block scales follow the Hugging Face tensors, not Megatron's fused ones: the fused QKV weight is
 quantised as its q / k / v parts and fc1 as its gate and up halves (a 128-row block must not straddle
 two checkpoint tensors), and the outputs are put back in Megatron's layout (an exact permutation).
@@ -331,7 +331,7 @@ def _make_mla():
     class AlignedMLASelfAttention(MLASelfAttention):
         """MLA with the reference's RoPE: rope dims of q and k_pe de-interleaved (an exact
         permutation; HF's / Megatron's MLA layout) then neox-rotated with kernels tables; q and k
-        are [nope | rope] per head, as in reference.dsv3_qkv. Training/full-sequence only."""
+        are [nope | rope] per head, as in qwen3_dsv3.dsv3_qkv. Training/full-sequence only."""
 
         def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
                                         packed_seq_params=None, inference_context=None, *,

@@ -4,7 +4,7 @@ A ``MegatronModule`` whose decoder layers are built from a ``ModuleSpec`` (:func
 the attention or MoE submodule there). Every weight sits under its ORIGINAL DeepSeek checkpoint name
 (``layers.3.attn.wq_b.weight``), so loading a Hugging Face / DeepSeek checkpoint and exporting
 weights to vLLM are name-for-name copies. The numerics are the per-layer functions of
-:mod:`vllm_bridge.aligned.dsv4_reference`, the same code the aligned vLLM class runs: here each
+:mod:`kernels.models.dsv4`, the same code the aligned vLLM class runs: here each
 sequence attends over its own full payload history, in vLLM over the paged cache; the results are
 bitwise equal.
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megatron_rz.recipe import ModelConfig, ParallelConfig
-from vllm_bridge.aligned import dsv4_reference as R
+from kernels.models import dsv4 as R
 
 
 def check_supported(parallel: ParallelConfig, num_experts: int) -> None:
@@ -97,7 +97,7 @@ def _expert_id(name: str) -> int | None:
 class DeepseekV4MoE(nn.Module):
     """The ``layers.{i}.ffn.*`` weights: router and shared expert on every rank, this expert-parallel
     rank's routed experts. Routing (hash table in the first layers, sqrt-softplus top-k after) and
-    expert compute are :mod:`dsv4_reference`'s."""
+    expert compute are :mod:`kernels.models.dsv4`'s."""
 
     def __init__(self, c: R.V4Config, index: int, dtype: torch.dtype) -> None:
         super().__init__()

@@ -2,7 +2,7 @@
 
 Three traces of the same token sequence, tap by tap in forward order
 (layer{i}.attn_norm, .attention, .attn_out, .mlp_norm, .mlp, .output, ..., final_norm):
-- the reference: vllm_bridge.aligned.reference run on the full sequence (its `tap` calls);
+- the reference: kernels.models.qwen3_dsv3 run on the full sequence (its `tap` calls);
 - vLLM: the same sequence generated ALONE by the aligned engine with its taps recording (prefill
   rows, then one row per decode step; see RolloutEngine.traced_generate), so the prefill and
   decode paths are both covered;
@@ -53,19 +53,19 @@ def reference_trace(base: str, ids: list[int], dtype: str = "float32", prompt_le
     import kernels
     from transformers import AutoConfig
 
-    from vllm_bridge.aligned import reference as ref
+    from kernels.models import qwen3_dsv3 as ref
+    from kernels.models import trace
 
     c = ref.arch_config(AutoConfig.from_pretrained(base))
     dt = getattr(torch, dtype)
     # As the engines load it: floating weights in the model dtype, DeepSeek's score bias kept fp32.
     sd = {k: (v.to(dt) if v.is_floating_point() and not k.endswith("e_score_correction_bias") else v)
           for k, v in ref.load_state_dict(base).items()}
-    ref.TRACE = []
+    trace.start_trace()
     try:
         ref.reference_hidden(c, sd, torch.tensor([ids]))
-        records = ref.TRACE
     finally:
-        ref.TRACE = None
+        records = trace.stop_trace()
     out = rows_by_tap(records)
     if prompt_len is not None and prompt_len < len(ids):
         logits = ref.reference_logits(sd, c, torch.tensor([ids]))[0, prompt_len - 1 : len(ids) - 1].float()

@@ -300,7 +300,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
 
     mode="fast": the modules above (Megatron's stock numerics). mode="aligned": the same model and
     parameters, every forward op through `kernels` (megatron_rz.aligned_spec), bitwise equal to
-    vllm_bridge.aligned.reference for any batching / TP (1, 2) / EP (1, 2). RoPE is then applied
+    kernels.models.qwen3_dsv3 for any batching / TP (1, 2) / EP (1, 2). RoPE is then applied
     inside the aligned attention modules (float64 tables), so GPTModel gets no position embedding."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules

@@ -162,14 +162,15 @@ class WeightSyncExtension:
     # ---- localisation (rz check) ----------------------------------------------------------------
     def rz_trace(self, on: bool) -> bytes:
         """Start (on=True) or stop recording the aligned model's activation taps
-        (vllm_bridge.aligned.reference.TRACE); stopping returns torch.save bytes of
+        (kernels.models.trace); stopping returns torch.save bytes of
         [(name, tensor)] in call order (bytes: the RPC's serializer does not keep tensors)."""
         import io
 
-        from vllm_bridge.aligned import reference
+        from kernels.models import trace
 
-        out = reference.TRACE or []
-        reference.TRACE = [] if on else None
+        out = trace.stop_trace()
+        if on:
+            trace.start_trace()
         buf = io.BytesIO()
         torch.save([] if on else out, buf)
         return buf.getvalue()

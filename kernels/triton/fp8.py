@@ -232,7 +232,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Option
     (``F.linear`` with the dequantised weight; ``weight``, the master weight, gets its gradient too),
     as the CPU reference."""
     from .._common import with_reference_grad
-    from ..fp8 import _ste_reference
+    from ..fp8 import ste_reference
 
     K = x.shape[-1]
     N = wq.shape[0]
@@ -242,4 +242,4 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Option
         xq, xs = quantize_act_groupwise(x_.reshape(-1, K))
         return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt, config=config).reshape(*x_.shape[:-1], N)
 
-    return with_reference_grad(fwd, _ste_reference(wq, ws, odt), x, bias, weight)
+    return with_reference_grad(fwd, ste_reference(wq, ws, odt), x, bias, weight)

@@ -1,6 +1,6 @@
 """GPU: the blockwise-FP8 model path (recipe model.fp8=blockwise) on CUDA, through the Triton ops.
 
-The plain full-sequence reference (vllm_bridge/aligned/reference.py, the forward the aligned vLLM
+The plain full-sequence reference (kernels/models/qwen3_dsv3.py, the forward the aligned vLLM
 class runs layer by layer) with FP8 linears, bf16, on a small Qwen3-MoE-class model: token logprobs
 are batch invariant (``torch.equal``) across batch sizes, batch composition and right padding; the
 learner-side fake-quant linear (master weight quantised at every call) gives the engine-side bits
@@ -25,7 +25,7 @@ H, L, HQ, HKV, D, E, K_TOP, I_MOE, V = 512, 2, 8, 2, 64, 8, 2, 256, 1024
 
 
 def _model():
-    from vllm_bridge.aligned.reference import ArchConfig
+    from kernels.models.qwen3_dsv3 import ArchConfig
 
     c = ArchConfig(arch="qwen3_moe", hidden_size=H, num_layers=L, num_heads=HQ, num_kv_heads=HKV, vocab_size=V,
                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, head_dim=D,
@@ -59,7 +59,7 @@ def _ragged(lengths, seed):
 
 def test_fp8_reference_model_batch_invariant_on_cuda():
     need_cuda()
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
 
     c, sd = _model()
     lengths = [37, 5, 64, 18, 64, 9, 51, 30, 2, 44, 64, 12, 27, 60, 8, 33]
@@ -95,7 +95,7 @@ def test_fp8_reference_model_batch_invariant_on_cuda():
 def test_fake_quant_linear_equals_cached_engine_weight_on_cuda():
     need_cuda()
     import kernels
-    from vllm_bridge.aligned.reference import FP8WeightCache
+    from kernels.models.qwen3_dsv3 import FP8WeightCache
 
     g = torch.Generator(device="cuda").manual_seed(3)
     for N, K in ((512, 512), (256, 300), (1536, 512)):
@@ -134,7 +134,7 @@ def test_fp8_learner_equals_reference_on_cuda():
     from megatron_rz.learner import Learner
     from megatron_rz.parallel_check import fixed_batch, reinforce_loss
     from megatron_rz.recipe import load_recipe
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
 
     root = Path(__file__).resolve().parents[2]
     cfg = dict(json.loads((Path(ckpt) / "config.json").read_text()), rz_fp8="blockwise")

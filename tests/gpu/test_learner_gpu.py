@@ -10,7 +10,7 @@ exports the HF weights. Checked:
 
 * TP=2/EP=2 log-probs torch.equal TP=1/EP=1 (before the step);
 * within each job: micro-batch / order / alone invariance (torch.equal);
-* the learner equals vllm_bridge.aligned.reference.reference_logprobs run on the same GPU
+* the learner equals kernels.models.qwen3_dsv3.reference_logprobs run on the same GPU
   (RoPE tables on the GPU, as the aligned vLLM model builds them);
 * the train step ran (finite grad norm, update applied) and both layouts agree to rounding
   (gradients are not invariant by design).
@@ -59,7 +59,7 @@ def _gpu_reference(hf_dir, dtype, ids, device):
     """reference_logprobs on `device` with the checkpoint's weights in `dtype`."""
     from safetensors.torch import load_file
 
-    from vllm_bridge.aligned import reference as R
+    from kernels.models import qwen3_dsv3 as R
 
     sd = {k: (v if k.endswith("e_score_correction_bias") else v.to(getattr(torch, dtype))).to(device)
           for k, v in load_file(str(Path(hf_dir) / "model.safetensors")).items()}

@@ -3,7 +3,7 @@ expert, a dense first layer; recipes/tiny_dsv3.yaml) on GPUs over NCCL.
 
 megatron_rz.parallel_check --mode aligned under torchrun, three layouts: TP=1 on one GPU, TP=2 and
 EP=2 over two. Checked: the log-probs of the fixed batch are torch.equal across the layouts and to
-vllm_bridge.aligned.reference.reference_logprobs run on the same GPU (what the aligned vLLM class
+kernels.models.qwen3_dsv3.reference_logprobs run on the same GPU (what the aligned vLLM class
 computes), and each layout takes two optimizer steps (finite gradient norms; weights after them
 agree across layouts to rounding, gradients not being invariant by design).
 

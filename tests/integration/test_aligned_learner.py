@@ -1,5 +1,5 @@
 """The aligned Megatron-Core learner (recipe `mode: aligned`) against the kernels-only reference
-forward (vllm_bridge.aligned.reference.reference_logprobs) and against itself under batching,
+forward (kernels.models.qwen3_dsv3.reference_logprobs) and against itself under batching,
 micro-batching, right padding, TP=2 and EP=2 (real megatron-core 0.16.1 on CPU over gloo).
 
 The claim tested is bitwise (torch.equal), not approximate: for the same weights and tokens,
@@ -53,12 +53,12 @@ def ckpts(tmp_path_factory):
 def reference():
     """reference_logprobs, following the row-parallel K rule of megatron_rz.aligned_spec.
 
-    Transitional: if reference.py does not (yet) split the K reduction of o_proj / down_proj into
+    Transitional: if qwen3_dsv3.py does not (yet) split the K reduction of o_proj / down_proj into
     ROW_PARALLEL_K_SEGMENTS segments, its two per-layer helpers are replaced here (in this test
     process only) by versions that do; everything else is the reference's own code."""
     import kernels
     from megatron_rz.aligned_spec import ROW_PARALLEL_K_SEGMENTS as KS
-    from vllm_bridge.aligned import reference as R
+    from kernels.models import qwen3_dsv3 as R
 
     patched = "k_segments" not in inspect.getsource(R)
     saved = (R.attn_output, R.dense_mlp)
@@ -72,7 +72,7 @@ def reference():
             return kernels.linear(kernels.swiglu(g, u), w(prefix + "down_proj.weight"), k_segments=KS)
 
         R.attn_output, R.dense_mlp = attn_output, dense_mlp
-        print(f"\n[note] reference.py has no k_segments rule yet: o_proj/down_proj patched to k_segments={KS}")
+        print(f"\n[note] qwen3_dsv3.py has no k_segments rule yet: o_proj/down_proj patched to k_segments={KS}")
     yield R.reference_logprobs
     R.attn_output, R.dense_mlp = saved
 

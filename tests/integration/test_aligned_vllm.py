@@ -36,7 +36,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from vllm_bridge.aligned.reference import load_state_dict, reference_logprobs  # noqa: E402
+from kernels.models.qwen3_dsv3 import load_state_dict, reference_logprobs  # noqa: E402
 
 MAX_LEN = 64
 N_SAMPLES = 4

@@ -93,7 +93,7 @@ def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
 def runs(tmp_path_factory):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("vLLM-CPU tensor parallel 2 needs two CPUs (one per worker)")
-    from vllm_bridge.aligned.reference import load_state_dict
+    from kernels.models.qwen3_dsv3 import load_state_dict
 
     ckpt = _checkpoint(tmp_path_factory.mktemp("tp_ckpt"))
     old = load_state_dict(ckpt)
@@ -159,7 +159,7 @@ def test_weight_update_reached_both_engines(runs):
 @pytest.mark.parametrize("phase", ["before", "after"])
 def test_tp2_equals_reference(runs, phase):
     """The TP=2 logprobs are also bitwise the full-sequence kernels reference's."""
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
 
     sd = runs["old" if phase == "before" else "new"]
     for s in runs[2][phase]:
@@ -175,7 +175,7 @@ def test_unsupported_tp_is_refused_clearly():
 
     import kernels
     from vllm_bridge.aligned.qwen3_moe import RZAlignedQwen3MoeForCausalLM
-    from vllm_bridge.aligned.reference import arch_config
+    from kernels.models.qwen3_dsv3 import arch_config
 
     cfg = dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, vocab_size=64, num_experts=8, num_experts_per_tok=2,

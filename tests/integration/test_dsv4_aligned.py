@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM (needs >= 5.19)", allow_module_level=True)
 
-from vllm_bridge.aligned import dsv4_reference as R  # noqa: E402
+from kernels.models import dsv4 as R  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_dim=32", "model.qk_rope_head_dim=16",
@@ -166,7 +166,7 @@ def test_learner_ep2_equals_ep1(small_ckpt, tmp_path):
     rank: log-probs torch.equal before training; after 2 optimizer steps the weights agree to
     rounding (the two ranks' gradients are summed by DDP in another order)."""
     from megatron_rz.parallel_check import run_check
-    from vllm_bridge.aligned.dsv4_reference import reference_logprobs
+    from kernels.models.dsv4 import reference_logprobs
 
     sets = [s for s in SMALL if not s.startswith("mode=")]
     recipe = str(ROOT / "recipes" / "tiny_dsv4.yaml")

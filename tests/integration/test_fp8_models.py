@@ -119,7 +119,7 @@ def qwen_learner(ckpts):
 
 
 def test_fp8_learner_equals_vllm_and_differs_from_unquantised(ckpts, qwen_engine, qwen_learner):
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
 
     d = ckpts["qwen3_moe"]
     samples = qwen_engine.generate(_prompts(64), n=3, temperature=1.0, max_new_tokens=8, seed=5)
@@ -142,7 +142,7 @@ def test_fp8_learner_equals_vllm_and_differs_from_unquantised(ckpts, qwen_engine
 
 def test_fp8_deepseek_v3_learner_equals_vllm_and_reference(ckpts):
     """MLA (q / kv_a / kv_b / o projections), a dense layer, shared + routed experts, all FP8."""
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
     from vllm_bridge.engine import RolloutEngine
 
     d = ckpts["deepseek_v3"]
@@ -185,7 +185,7 @@ def _nll(logp, rows):
 
 
 def test_fp8_train_step_moves_master_weights_and_sync_stays_bitwise(ckpts, qwen_engine, qwen_learner):
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
 
     d = ckpts["qwen3_moe"]
     learner, eng = qwen_learner, qwen_engine
@@ -270,7 +270,7 @@ def test_fp8_expert_parallel_learner_equals_reference(ckpts, tmp_path):
     reference before and after a train step (on the exported weights)."""
     import os
 
-    from vllm_bridge.aligned.reference import reference_logprobs
+    from kernels.models.qwen3_dsv3 import reference_logprobs
 
     d = ckpts["qwen3_moe"]
     out = tmp_path / "ep2.pt"

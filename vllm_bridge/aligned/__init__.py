@@ -9,7 +9,7 @@
 * the aligned attention backend as ``AttentionBackendEnum.CUSTOM`` (CPU or CUDA: ``vllm_bridge.vllm_compat``).
 
 Every op of those models goes through ``kernels`` (see kernels/README.md), so the logprob vLLM reports
-for a sampled token is ``torch.equal`` to :func:`vllm_bridge.aligned.reference.reference_logprobs`
+for a sampled token is ``torch.equal`` to :func:`kernels.models.qwen3_dsv3.reference_logprobs`
 on prompt + response, however vLLM batches. Engine settings: ``dtype="float32"``,
 ``enforce_eager=True``, ``logprobs_mode="processed_logprobs"`` (log_softmax(logits / T)).
 """

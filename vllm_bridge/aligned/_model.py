@@ -7,7 +7,7 @@ dtype, so weights can be read back (``named_parameters``), loaded with vLLM's
 (vLLM's layerwise reload wraps each parameter's ``weight_loader``; ``load_weights`` below goes
 through it).
 
-All numerics are the per-layer functions of :mod:`vllm_bridge.aligned.reference` (the same code the
+All numerics are the per-layer functions of :mod:`kernels.models.qwen3_dsv3` (the same code the
 full-sequence reference runs); only the attention core differs: q/k/v go through a vLLM
 ``Attention`` layer with the aligned backend (:mod:`.attention_backend`), which writes K/V into the
 paged cache and runs ``kernels.attention`` per sequence.
@@ -60,7 +60,7 @@ import kernels
 
 from vllm_bridge.vllm_compat import aligned_attention_backend
 
-from . import reference as ref
+from kernels.models import qwen3_dsv3 as ref
 
 
 def _tp_info() -> tuple[int, int]:
@@ -226,7 +226,7 @@ class RZAlignedForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = _Params(dtype, weight=(c.vocab_size, H))
         self.logits_processor = _LogitsScale(c.vocab_size)
-        # Blockwise FP8 (config key reference.FP8_CONFIG_KEY, e.g. hf_overrides={"rz_fp8": "blockwise"}):
+        # Blockwise FP8 (config key qwen3_dsv3.FP8_CONFIG_KEY, e.g. hf_overrides={"rz_fp8": "blockwise"}):
         # the parameters stay the checkpoint's high-precision weights (what a weight sync writes and
         # reads back); their e4m3 copies + 128x128 scales live here, off the module tree (vLLM's
         # layerwise reload rebuilds registered buffers), quantised once per load / in-place update.
@@ -374,7 +374,7 @@ class RZAlignedForCausalLM(nn.Module):
         if c.arch == "qwen3_moe":
             logits = kernels.router_logits(x, m.gate.weight, out_dtype=x.dtype)
             ids, wts = kernels.route(logits, c.top_k, score="softmax", norm_topk_prob=c.norm_topk_prob)
-            wts = wts.to(x.dtype)  # as reference.moe_qwen3
+            wts = wts.to(x.dtype)  # as qwen3_dsv3.moe_qwen3
             shared = None
         else:
             logits = kernels.router_logits(x, m.gate.weight, out_dtype=torch.float32)

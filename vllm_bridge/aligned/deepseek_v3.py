@@ -2,7 +2,7 @@
 
 Select with ``hf_overrides={"architectures": ["RZAlignedDeepseekV3ForCausalLM"]}`` on a normal
 DeepseekV3ForCausalLM checkpoint (same weight names; q_lora_rank None -> q_proj, or q_a_proj /
-q_a_layernorm / q_b_proj). Math: :mod:`vllm_bridge.aligned.reference` (``dsv3_qkv``, ``moe_dsv3``,
+q_a_layernorm / q_b_proj). Math: :mod:`kernels.models.qwen3_dsv3` (``dsv3_qkv``, ``moe_dsv3``,
 ``dense_mlp`` for the first_k_dense_replace layers): sigmoid noaux_tc routing with
 e_score_correction_bias, n_group/topk_group, routed_scaling_factor, shared experts.
 
@@ -15,7 +15,7 @@ over its first v_head_dim channels only (``rz_v_head_dim``). This costs more cac
 vLLM's latent cache (H * 2 * 96 vs 576 values per token) but needs no absorbed-weight algebra,
 which would change the reduction order relative to the learner's expanded MLA.
 
-RoPE layout: Hugging Face's (de-interleaved after rotating adjacent pairs), see reference.py.
+RoPE layout: Hugging Face's (de-interleaved after rotating adjacent pairs), see kernels/models/qwen3_dsv3.py.
 vLLM's MLA detection (model_type deepseek_v3 -> model_config.use_mla) does not matter here: the
 model builds ordinary ``Attention`` layers with an explicit backend, whose KV cache spec (per-head,
 head_size 96) is what vLLM allocates. Checked bitwise both with and without ``VLLM_MLA_DISABLE=1``;

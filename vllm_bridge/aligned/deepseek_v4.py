@@ -1,15 +1,15 @@
 """Aligned vLLM model class for DeepSeek-V4 checkpoints (``RZAlignedDeepseekV4ForCausalLM``).
 
-The numerics are :mod:`.dsv4_reference`'s per-layer functions. The module tree mirrors the ORIGINAL
+The numerics are :mod:`kernels.models.dsv4`'s per-layer functions. The module tree mirrors the ORIGINAL
 DeepSeek checkpoint names (``layers.3.attn.compressor.wkv.weight`` is a parameter of that name) so
 the checkpoint loads, and weight updates reload, with vLLM's default loader.
 
 KV cache: a DeepSeek-V4 query needs, for each earlier token of its sequence, its key (sliding
 window) and its compressor/indexer projections (compressed entries are pooled from them). Each layer
-therefore caches one *payload* row per token (:func:`dsv4_reference.token_state`), zero-padded to
+therefore caches one *payload* row per token (:func:`kernels.models.dsv4.token_state`), zero-padded to
 one width for all layers and stored as the K and V halves of a paged cache (128-wide KV heads) through
 the aligned attention backend. At attention time the backend gathers a sequence's payload rows
-0..L-1 and hands them to this model's :func:`dsv4_reference.attend_sequence`, exactly what the
+0..L-1 and hands them to this model's :func:`kernels.models.dsv4.attend_sequence`, exactly what the
 learner runs over its full sequence. The stock vLLM model instead keeps an fp8 compressed cache and
 fused CPU kernels (its ``fast`` counterpart).
 
@@ -29,7 +29,7 @@ from vllm.model_executor.layers.attention import Attention
 
 import kernels
 
-from . import dsv4_reference as R
+from kernels.models import dsv4 as R
 from ._model import RZAlignedForCausalLM, _LogitsScale
 from .attention_backend import RZAlignedAttentionBackend
 

@@ -1,7 +1,7 @@
 """RZAlignedQwen3MoeForCausalLM: Qwen3-MoE for vLLM with every op through ``kernels``.
 
 Select with ``hf_overrides={"architectures": ["RZAlignedQwen3MoeForCausalLM"]}`` on a normal
-Qwen3MoeForCausalLM checkpoint (same weight names). Math: :mod:`vllm_bridge.aligned.reference`
+Qwen3MoeForCausalLM checkpoint (same weight names). Math: :mod:`kernels.models.qwen3_dsv3`
 (``qwen3_qkv``, ``moe_qwen3``); attention: grouped-query ``kernels.attention`` over vLLM's paged
 KV cache with the aligned backend (K/V heads = num_key_value_heads, head_dim from the config).
 """

@@ -1,4 +1,4 @@
-"""Full-sequence reference forward of the aligned architectures, built only from ``kernels`` ops.
+"""Qwen3-MoE and DeepSeek-V3 (MLA): the aligned per-layer functions both engines run, and a full-sequence reference.
 
 ``reference_logprobs(hf_dir_or_state_dict, config, input_ids[B, S], temperature) -> [B, S]`` with
 ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``out[:, 0] = 0``. Sequences are
@@ -43,6 +43,8 @@ import torch
 
 import kernels
 
+from .trace import tap
+
 __all__ = [
     "ArchConfig",
     "arch_config",
@@ -70,18 +72,6 @@ FP8_CONFIG_KEY = "rz_fp8"
 FP8_SUFFIX = "#fp8"
 
 Getter = Callable[[str], torch.Tensor]
-
-# Activation taps for `rz check`'s localisation: when TRACE is a list, layer_forward and final_norm
-# append (name, tensor) in call order. Both the full-sequence reference and the vLLM model classes
-# (in vLLM's worker process) run these functions, so both sides record the same names; the
-# learner records them with Megatron module hooks (megatron_rz.localise). Off (None) otherwise.
-TRACE: list | None = None
-
-
-def tap(name: str, x: torch.Tensor) -> torch.Tensor:
-    if TRACE is not None:
-        TRACE.append((name, x.detach().clone()))
-    return x
 
 
 @dataclass

@@ -30,7 +30,8 @@ import torch
 
 import kernels
 
-from .reference import load_state_dict, tap
+from .qwen3_dsv3 import load_state_dict
+from .trace import tap
 
 Getter = Callable[[str], torch.Tensor]
 
