@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -34,50 +33,16 @@ import torch
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchmarks.graph_timing import bench_graph, copies  # noqa: E402
+
 GEMM_SHAPES = [(4096, 4096), (7168, 2048), (2048, 7168), (4096, 14336), (14336, 4096)]  # (K, N)
 GEMM_MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-L2_BYTES = 50 * 2**20
-
-
-def bench_graph(make_fn, n_copies: int, iters: int = 24, reps: int = 15) -> float:
-    """Median ms per call; make_fn(i) returns a no-arg callable for copy i."""
-    fns = [make_fn(i) for i in range(n_copies)]
-    for f in fns:  # warm-up / compile outside the graph
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fns[i % n_copies]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    del g
-    return statistics.median(times)
-
-
-def _copies(nbytes: int) -> int:
-    return max(2, min(8, -(-3 * L2_BYTES // max(nbytes, 1))))
 
 
 def gemm_case(K, N, M, config=None):
     from kernels.triton.gemm import matmul
 
-    n = _copies(N * K * 2 + M * K * 2)
+    n = copies(N * K * 2 + M * K * 2)
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(n)]
     xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
     t_cublas = bench_graph(lambda i: (lambda: xs[i] @ ws[i].T), n)
@@ -95,7 +60,7 @@ def run_sweep(args):
         for M in args.ms:
             from kernels.triton.gemm import matmul
 
-            n = _copies(N * K * 2 + M * K * 2)
+            n = copies(N * K * 2 + M * K * 2)
             ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(n)]
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
             t_cublas = bench_graph(lambda i: (lambda: xs[i] @ ws[i].T), n)
@@ -122,7 +87,7 @@ def run_sweep(args):
 
 
 def run_main(args):
-    from gpu_ops_bench import NEW_GROUPS  # benchmarks/gpu_ops_bench.py
+    from benchmarks.gpu_ops_bench import NEW_GROUPS
 
     out = {}
     groups = args.groups
@@ -166,7 +131,7 @@ def run_old(args, groups):
     for D in ((128, 4096, 7168) if "rmsnorm" in groups else ()):
         for R in (1, 64, 4096, 32768):
             for dt in (torch.bfloat16,):
-                n = _copies(R * D * 2 * 2)
+                n = copies(R * D * 2 * 2)
                 xs = [torch.randn(R, D, device="cuda", dtype=dt) for _ in range(n)]
                 w = torch.randn(D, device="cuda", dtype=dt)
                 t_ref = bench_graph(lambda i: (lambda: F.rms_norm(xs[i], (D,), w, 1e-6)), n)
@@ -179,7 +144,7 @@ def run_old(args, groups):
     for V in ((32000, 151936) if "logprobs" in groups else ()):
         for R in (1, 64, 1024, 4096):
             dt = torch.bfloat16
-            n = _copies(R * V * 2)
+            n = copies(R * V * 2)
             ls = [torch.randn(R, V, device="cuda", dtype=dt) * 4 for _ in range(n)]
             tg = torch.randint(0, V, (R,), device="cuda")
             T = 0.7

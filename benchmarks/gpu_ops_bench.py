@@ -1,7 +1,7 @@
 """Benchmark groups rope / router / attention / moe / fp8 / decode for benchmarks/gpu_kernels.py.
 
 Each row measures the aligned op and its fast baseline side by side in one process with the same
-graph-replay method (gpu_kernels.bench_graph); ratio = baseline time / aligned time.
+graph-replay method (graph_timing.bench_graph); ratio = baseline time / aligned time.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 
 def _bg():
-    import gpu_kernels
+    from benchmarks.graph_timing import bench_graph, copies
 
-    return gpu_kernels.bench_graph, gpu_kernels._copies
+    return bench_graph, copies
 
 
 def _row(rows, label, t_base, t_al, **kw):
@@ -29,7 +29,7 @@ def _row(rows, label, t_base, t_al, **kw):
 
 
 def bench_rope(args):
-    from benchmarks.moe_model import _rope_fast
+    from benchmarks.moe_model import rope_fast
     from kernels.triton.rope import apply_rope
 
     bench_graph, copies = _bg()
@@ -41,7 +41,7 @@ def bench_rope(args):
         xs = [torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
         pos = torch.randint(0, 8192, (T,), device="cuda")
         cos, sin = tab[pos].contiguous(), tab.flip(0)[pos].contiguous()
-        tb = bench_graph(lambda i: (lambda: _rope_fast(xs[i], cos, sin)), n)
+        tb = bench_graph(lambda i: (lambda: rope_fast(xs[i], cos, sin)), n)
         ta = bench_graph(lambda i: (lambda: apply_rope(xs[i], cos, sin, "neox")), n)
         _row(rows, f"rope neox T={T} H={Hq} D={D}", tb, ta, T=T, H=Hq, D=D, baseline="torch elementwise")
     return rows
@@ -134,7 +134,7 @@ def bench_attention(args):
 
 
 def bench_moe(args):
-    from benchmarks.moe_model import _experts_fast
+    from benchmarks.moe_model import experts_fast
     from kernels.triton.moe import moe_experts_merged
 
     bench_graph, _ = _bg()
@@ -147,7 +147,7 @@ def bench_moe(args):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             w, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(k, -1)
             w = w / w.sum(-1, keepdim=True)
-            tb = bench_graph(lambda i: (lambda: _experts_fast(x, wgu[i], wd[i], ids, w)), n, iters=8)
+            tb = bench_graph(lambda i: (lambda: experts_fast(x, wgu[i], wd[i], ids, w)), n, iters=8)
             ta = bench_graph(lambda i: (lambda: moe_experts_merged(x, wgu[i], wd[i], ids, w)), n, iters=8)
             _row(rows, f"moe {name} H={H} I={I} E={E} k={k} T={T}", tb, ta, H=H, I=I, E=E, k=k, T=T,
                  baseline="torch._grouped_mm + silu + combine")

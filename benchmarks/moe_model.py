@@ -144,7 +144,7 @@ def aligned_forward(c: MoEConfig, W: dict, cache: KVCache, tables, tokens: torch
 # ---------------------------------------------------------------------------------------- fast
 
 
-def _rope_fast(x, cos, sin):
+def rope_fast(x, cos, sin):
     half = cos.shape[-1]
     c = cos.unsqueeze(-2)
     s = sin.unsqueeze(-2)
@@ -155,7 +155,7 @@ def _rope_fast(x, cos, sin):
 _GROUPED_MM_OK: Optional[bool] = None
 
 
-def _experts_fast(a, w_gate_up, w_down, ids, wts):
+def experts_fast(a, w_gate_up, w_down, ids, wts):
     """torch's grouped expert compute: sort by expert, two torch._grouped_mm (cuBLAS/CUTLASS grouped
     GEMM), silu*up in torch; per-expert loop if _grouped_mm is missing."""
     global _GROUPED_MM_OK
@@ -215,8 +215,8 @@ def fast_decode(c: MoEConfig, W: dict, cache: KVCache, tables, tokens: torch.Ten
             q = _trope(F.rms_norm(q, (D,), L["qn"], c.eps), cos, sin)
             k = _trope(F.rms_norm(k, (D,), L["kn"], c.eps), cos, sin)
         else:
-            q = _rope_fast(F.rms_norm(q, (D,), L["qn"], c.eps), cos, sin)
-            k = _rope_fast(F.rms_norm(k, (D,), L["kn"], c.eps), cos, sin)
+            q = rope_fast(F.rms_norm(q, (D,), L["qn"], c.eps), cos, sin)
+            k = rope_fast(F.rms_norm(k, (D,), L["kn"], c.eps), cos, sin)
         cache.k[li][:, :, pos] = k
         cache.v[li][:, :, pos] = v
         o = F.scaled_dot_product_attention(q.unsqueeze(2), cache.k[li][:, :, : pos + 1],
@@ -232,7 +232,7 @@ def fast_decode(c: MoEConfig, W: dict, cache: KVCache, tables, tokens: torch.Ten
         gu = F.linear(a, L["s_gate_up"])
         i = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i]) * gu[:, i:], L["s_down"])
-        h = h + (_experts_fast(a, L["w_gate_up"], L["w_down"], ids, wts) + shared.float()).to(h.dtype)
+        h = h + (experts_fast(a, L["w_gate_up"], L["w_down"], ids, wts) + shared.float()).to(h.dtype)
     h = F.rms_norm(h, (c.hidden,), W["lnf"], c.eps)
     logits = F.linear(h, W["lm_head"])
     return logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -68,13 +68,15 @@ ROW_PARALLEL_K_SEGMENTS = kernels.ROW_PARALLEL_K_SEGMENTS
 # ------------------------------------------------------------------ linears
 
 
-def _gather_seq(x, group):
+def gather_seq(x, group):
+    """Sequence-parallel all-gather along the first dim (gradient: reduce-scatter back)."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
 
-def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` of ``group`` along the first dim, in rank order (no gradient)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=0)
@@ -108,7 +110,7 @@ class _RowParallelAligned(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         x, w = ctx.saved_tensors
         if ctx.sp:
-            g = _all_gather_first_dim(g, ctx.group)
+            g = all_gather_first_dim(g, ctx.group)
         gx = torch.matmul(g.to(w.dtype), w).to(x.dtype)
         gw = torch.matmul(g.reshape(-1, g.shape[-1]).t().to(x.dtype), x.reshape(-1, x.shape[-1])).to(w.dtype)
         return gx, gw, None, None, None
@@ -136,7 +138,7 @@ def _column_forward(self, input_, weight=None, runtime_gather_output=None):
     tp = 1 if self.tp_group is None else self.tp_group.size()
     if tp > 1 and not self.explicit_expert_comm:
         if self.sequence_parallel:
-            input_ = _gather_seq(input_, self.tp_group)
+            input_ = gather_seq(input_, self.tp_group)
         else:
             input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
     out_dtype = getattr(self, "aligned_out_dtype", None)
@@ -361,7 +363,7 @@ def _make_mla():
                 kv_compressed, k_pos_emb = torch.split(
                     kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
                 if tp > 1 and cfg.sequence_parallel:
-                    k_pos_emb = _gather_seq(k_pos_emb, self.tp_group)
+                    k_pos_emb = gather_seq(k_pos_emb, self.tp_group)
             kv_compressed = self.kv_layernorm(kv_compressed)
             kv, _ = self.linear_kv_up_proj(kv_compressed)
 
@@ -456,8 +458,8 @@ def _make_mlp_classes():
             group = self.token_dispatcher.tp_ep_group
             G = 1 if group is None else group.size()
             if G > 1:
-                x_all = _gather_seq(x, group)
-                ids_all = _all_gather_first_dim(ids, group)
+                x_all = gather_seq(x, group)
+                ids_all = all_gather_first_dim(ids, group)
             else:
                 x_all, ids_all = x, ids
             T = x_all.shape[0]

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from megatron_rz.diagnostics import mismatch_stats
 from megatron_rz.recipe import Recipe
-from megatron_rz.trainer import RolloutSide, _broadcast, _rank, build_batch, prepare_base_model
+from megatron_rz.ranks import broadcast_object, rank
+from megatron_rz.trainer import RolloutSide, build_batch, prepare_base_model
 
 
 def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int, sampling: dict) -> dict[str, list]:
@@ -123,11 +124,11 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     # model.fp8: the engine learns it from its checkpoint's config.json (key rz_fp8); the base model
     # may have been made without it, so the engine gets a view of it that declares it.
     rollout_dir = base
-    if _rank() == 0 and recipe.model.fp8 != "none":
+    if rank() == 0 and recipe.model.fp8 != "none":
         from vllm_bridge.engine import fp8_checkpoint
 
         rollout_dir = fp8_checkpoint(base, recipe.model.fp8, run_dir / f"base_model_fp8_{recipe.model.fp8}")
-    side = RolloutSide(recipe, rollout_dir) if _rank() == 0 else None
+    side = RolloutSide(recipe, rollout_dir) if rank() == 0 else None
     if inject_fault:
         _inject(inject_fault, learner, side)
     vllm_fault, learner_fault = _sampling_fault(inject_fault)
@@ -155,7 +156,7 @@ def _check_setting(recipe: Recipe, learner, side, rollout_dir, num_prompts: int,
     """Every scenario of one sampling setting: {"sampling", "scenarios", "all_bitwise_equal"[, "localisation"]}."""
     vllm_kw = {**recipe.rollout.sampling_kwargs(), **vllm_fault}
     learner_kw = {**recipe.rollout.sampling_contract(), **learner_fault}
-    scenarios = _broadcast(_scenarios(side, recipe, num_prompts, samples, vllm_kw) if side else None)
+    scenarios = broadcast_object(_scenarios(side, recipe, num_prompts, samples, vllm_kw) if side else None)
     report: dict = {"sampling": recipe.rollout.sampling_contract(), "scenarios": {}}
     if vllm_fault or learner_fault:  # an injected sampling fault: what each side really ran with
         report.update(vllm_sampling=vllm_kw, learner_sampling=learner_kw)
@@ -223,7 +224,7 @@ def _print_setting(report: dict, one: dict) -> None:
 
 def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | None = None) -> int:
     report = run_check(recipe, num_prompts, samples, inject_fault)
-    if _rank() == 0:
+    if rank() == 0:
         print_report(report)
         (recipe.run_dir / "check.json").write_text(json.dumps(report, indent=2))
         print(json.dumps({"all_bitwise_equal": report["all_bitwise_equal"], "mode": report["mode"]}))

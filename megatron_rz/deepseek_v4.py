@@ -115,15 +115,15 @@ class DeepseekV4MoE(nn.Module):
         import kernels
         from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-        from megatron_rz.aligned_spec import _all_gather_first_dim, _gather_seq
+        from megatron_rz.aligned_spec import all_gather_first_dim, gather_seq
 
         c = self.c
         w = lambda n: R.lookup(self, n.removeprefix("ffn."))
         if self.ep == 1:
             return R.moe_forward(c, w, self.index, x, input_ids)
         ids, wts = R.route(c, w, self.index, x, input_ids)
-        x_all = _gather_seq(x, self.group)  # autograd: all-gather forward, reduce-scatter backward
-        ids_all = _all_gather_first_dim(ids, self.group)
+        x_all = gather_seq(x, self.group)  # autograd: all-gather forward, reduce-scatter backward
+        ids_all = all_gather_first_dim(ids, self.group)
         y_all = R.routed_outputs(c, w, x_all, ids_all, self.owned)  # other ranks' slots: exact zeros
         T, k = ids.shape
         y = reduce_scatter_to_sequence_parallel_region(y_all.reshape(-1, k * x.shape[1]), group=self.group)

@@ -156,7 +156,7 @@ def localise(learner, side, base, recipe, prompt_ids: list[int] | None, vllm_sam
     sample; returns the report on rank 0 ({} elsewhere). ``vllm_sampling`` / ``learner_sampling``:
     the sampling settings each side ran with (default: the recipe's; they differ only under an
     injected sampling fault); the reference uses the recipe's contract."""
-    from megatron_rz.trainer import _broadcast
+    from megatron_rz.ranks import broadcast_object
 
     order = tap_order(recipe.model.num_layers)
     contract = recipe.rollout.sampling_contract()
@@ -169,9 +169,9 @@ def localise(learner, side, base, recipe, prompt_ids: list[int] | None, vllm_sam
         vllm_taps = rows_by_tap(trace)
         if sample.response_ids:  # the logprobs vLLM reported: its sampling stage
             vllm_taps["sampling"] = torch.tensor(sample.logprobs, dtype=torch.float32).reshape(-1, 1)
-    seq = _broadcast(seq)
+    seq = broadcast_object(seq)
     prompt_len = len(prompt_ids) if prompt_ids is not None else None
-    prompt_len = _broadcast(prompt_len)
+    prompt_len = broadcast_object(prompt_len)
     learner_taps = learner_trace(learner, seq, prompt_len, learner_sampling or contract)
     if side is None:
         return {}

@@ -100,7 +100,7 @@ def checkpoint_and_exit_if_requested(learner, run_dir, step: int, total_steps: i
     install()
     if step >= total_steps or not _agree(requested_locally()):
         return
-    from megatron_rz.resume import checkpoint_dir
+    from megatron_rz.rundir import checkpoint_dir
 
     import torch.distributed as dist
 

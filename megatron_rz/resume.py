@@ -24,6 +24,7 @@ from pathlib import Path
 # Imported for its side effect too: it catches SLURM's SIGUSR1 from the moment a trainer loads
 # this module (the signal's default action would kill the process before the first update).
 from megatron_rz import preemption
+from megatron_rz.rundir import checkpoint_dir  # noqa: F401  (the trainers import it from here)
 
 COMPLETE = "COMPLETE"
 
@@ -31,10 +32,6 @@ COMPLETE = "COMPLETE"
 def step_rng(seed: int, step: int) -> random.Random:
     """The task-sampling generator of one training step."""
     return random.Random(f"rz-data-{seed}-{step}")
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
 DIGEST_SUFFIX = ".blake2b"

@@ -1,7 +1,8 @@
 """Run directories: what made a run, one live run per directory, nothing clobbered.
 
 - `run.json` records what made the run: the resolved recipe, its hash, the hash of the parts that
-  shape the base model (`base_model_hash`) and every start (time, host, pid, checkpoint.load).
+  shape the base model (`base_model_hash`; both hashes: megatron_rz.fingerprint) and every start
+  (time, host, pid, checkpoint.load).
 - `claim_run_dir` (rz train, before anything starts) refuses a directory that holds another run's
   results (metrics.jsonl, checkpoints/, summary.json, hf_final/, ...) unless the run resumes
   (`checkpoint.load=latest` or a checkpoint dir) or `--overwrite` is given; only --overwrite deletes,
@@ -20,7 +21,6 @@ Imports neither Megatron nor vLLM: the CLI calls it before any engine starts.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +28,7 @@ import socket
 import time
 from pathlib import Path
 
+from megatron_rz.fingerprint import NOT_RESULTS, base_model_hash, recipe_hash
 from megatron_rz.recipe import Recipe, RecipeError
 
 RECORD = "run.json"
@@ -36,33 +37,15 @@ LOCK = "rz.lock"
 # (rz check's check.json and the base models are not a training run's results.)
 RESULTS = ("metrics.jsonl", "summary.json", "checkpoints", "hf_final", "plots", "wandb", "PREEMPTED",
            "recipe.yaml", RECORD)
-# Fields that do not change what a run computes (compared when a run is resumed).
-_NOT_RESULTS = {"checkpoint": {"load"}, "logging": {"progress", "plots", "wandb", "wandb_mode"}}
-BASE_FORMAT = 1  # bump when warm_start changes what it makes from the same settings
 
 
 class RunDirError(RecipeError):
     """A run directory that cannot be used as asked (exit code 2, one line, like a bad recipe)."""
 
 
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def base_model_hash(recipe: Recipe, seed: int) -> str:
-    """Hash of everything the tiny base model is made from: model sizes and dtype, the task, the
-    warm start and its seed (not model.fp8, applied per engine, nor model.pretrained)."""
-    return _hash({"format": BASE_FORMAT, "seed": int(seed), "task": recipe.task.model_dump(),
-                  "warm_start": recipe.warm_start.model_dump(),
-                  "model": recipe.model.model_dump(exclude={"pretrained", "fp8"})})
-
-
-def recipe_hash(recipe: Recipe) -> str:
-    d = recipe.model_dump()
-    for section, keys in _NOT_RESULTS.items():
-        for k in keys:
-            d[section].pop(k, None)
-    return _hash(d)
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of update ``step`` lives in a run directory."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
 def recorded_base_hash(base: Path) -> str | None:
@@ -273,6 +256,6 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             out += _differences(a, b, key + ".")
-        elif a != b and not any(key == f"{s}.{f}" for s, fs in _NOT_RESULTS.items() for f in fs):
+        elif a != b and not any(key == f"{s}.{f}" for s, fs in NOT_RESULTS.items() for f in fs):
             out.append(f"{key}: {a!r} -> {b!r}")
     return out

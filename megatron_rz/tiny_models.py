@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rz.fingerprint import base_model_hash
 from megatron_rz.recipe import ModelConfig, Recipe
 from megatron_rz.tasks import Task, make_task
 
@@ -307,8 +308,6 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
     model.eval()
     save_hf_checkpoint(model.to(getattr(torch, recipe.model.dtype)), out_dir, recipe.model.arch)
     info = {"sft_steps": ws.steps, "sft_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}
-    from megatron_rz.rundir import base_model_hash
-
     info["base_hash"] = base_model_hash(recipe, seed)  # what made it: reused only by recipes of this hash
     (Path(out_dir) / "warm_start.json").write_text(json.dumps(info, indent=2))
     return info

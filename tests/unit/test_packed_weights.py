@@ -13,7 +13,7 @@ from vllm_bridge.aligned import _model as M
 def _fake_model():
     torch.manual_seed(0)
     layer = nn.Module()
-    pack, leaves = M._packed_rows(torch.float32, 8, {"q_proj": 6, "k_proj": 2, "v_proj": 2})
+    pack, leaves = M.packed_rows(torch.float32, 8, {"q_proj": 6, "k_proj": 2, "v_proj": 2})
     layer.self_attn = nn.Module()
     for n, leaf in leaves.items():
         setattr(layer.self_attn, n, leaf)

@@ -78,7 +78,7 @@ def _all_reduce(y: torch.Tensor) -> torch.Tensor:
     return get_tp_group().all_reduce(y)
 
 
-class _Params(nn.Module):
+class Params(nn.Module):
     """A leaf holding named parameters (e.g. ``weight``), no forward of its own."""
 
     def __init__(self, dtype: torch.dtype, **shapes) -> None:
@@ -89,9 +89,9 @@ class _Params(nn.Module):
 
 def _mlp(dtype, hidden: int, inter: int) -> nn.Module:
     m = nn.Module()
-    m.gate_proj = _Params(dtype, weight=(inter, hidden))
-    m.up_proj = _Params(dtype, weight=(inter, hidden))
-    m.down_proj = _Params(dtype, weight=(hidden, inter))
+    m.gate_proj = Params(dtype, weight=(inter, hidden))
+    m.up_proj = Params(dtype, weight=(inter, hidden))
+    m.down_proj = Params(dtype, weight=(hidden, inter))
     return m
 
 
@@ -100,14 +100,14 @@ def _view_param(t: torch.Tensor) -> nn.Parameter:
 
 
 class _Views(nn.Module):
-    """A leaf whose ``weight`` is a view into a packed tensor (``_Params`` otherwise)."""
+    """A leaf whose ``weight`` is a view into a packed tensor (``Params`` otherwise)."""
 
     def __init__(self, view: torch.Tensor) -> None:
         super().__init__()
         self.register_parameter("weight", _view_param(view))
 
 
-def _packed_rows(dtype, hidden: int, rows: dict) -> tuple[torch.Tensor, dict]:
+def packed_rows(dtype, hidden: int, rows: dict) -> tuple[torch.Tensor, dict]:
     """One ``[sum(rows), hidden]`` tensor and a ``_Views`` leaf per named row block."""
     pack = torch.empty(sum(rows.values()), hidden, dtype=dtype)
     leaves, start = {}, 0
@@ -120,9 +120,9 @@ def _packed_rows(dtype, hidden: int, rows: dict) -> tuple[torch.Tensor, dict]:
 def _packed_mlp(dtype, hidden: int, inter: int) -> nn.Module:
     """A gate/up/down MLP whose gate and up are the two row blocks of ``m.rz_gate_up [2I, H]``."""
     m = nn.Module()
-    pack, leaves = _packed_rows(dtype, hidden, {"gate_proj": inter, "up_proj": inter})
+    pack, leaves = packed_rows(dtype, hidden, {"gate_proj": inter, "up_proj": inter})
     m.gate_proj, m.up_proj = leaves["gate_proj"], leaves["up_proj"]
-    m.down_proj = _Params(dtype, weight=(hidden, inter))
+    m.down_proj = Params(dtype, weight=(hidden, inter))
     m.rz_packs = {"gate_up": (pack, ("gate_proj", "up_proj"))}
     return m
 
@@ -141,7 +141,7 @@ def _packed_experts(dtype, n: int, hidden: int, inter: int) -> tuple[nn.ModuleLi
     return experts, stacks
 
 
-class _LogitsScale(nn.Module):
+class LogitsScale(nn.Module):
     """Stands where vLLM models keep their LogitsProcessor: only its ``scale`` is honoured
     (``vllm_bridge.worker_ext.rz_set_logit_scale`` sets it)."""
 
@@ -188,19 +188,19 @@ class RZAlignedForCausalLM(nn.Module):
             self.rz_ep = ref.ExpertShard(local=range(r * n, (r + 1) * n), reduce=_all_reduce)
         H = c.hidden_size
         self.model = nn.Module()
-        self.model.embed_tokens = _Params(dtype, weight=(c.vocab_size, H))
+        self.model.embed_tokens = Params(dtype, weight=(c.vocab_size, H))
         layers = []
         for i in range(c.num_layers):
             layer = nn.Module()
-            layer.input_layernorm = _Params(dtype, weight=(H,))
-            layer.post_attention_layernorm = _Params(dtype, weight=(H,))
+            layer.input_layernorm = Params(dtype, weight=(H,))
+            layer.post_attention_layernorm = Params(dtype, weight=(H,))
             layer.self_attn = self._build_attention(i, dtype, f"model.layers.{i}.self_attn")
             if c.moe_layers[i]:
                 mlp = nn.Module()
                 gate = dict(weight=(c.num_experts, H))
                 if c.has_expert_bias:
                     gate["e_score_correction_bias"] = (c.num_experts,)
-                mlp.gate = _Params(dtype, **gate)
+                mlp.gate = Params(dtype, **gate)
                 if self.rz_fast:
                     mlp.experts, mlp.rz_stacks = _packed_experts(dtype, c.num_experts, H, c.moe_intermediate_size)
                 elif self.rz_ep is None:
@@ -222,10 +222,10 @@ class RZAlignedForCausalLM(nn.Module):
                 layer.mlp = (_packed_mlp if self.rz_fast else _mlp)(dtype, H, c.intermediate_size)
             layers.append(layer)
         self.model.layers = nn.ModuleList(layers)
-        self.model.norm = _Params(dtype, weight=(H,))
+        self.model.norm = Params(dtype, weight=(H,))
         if not c.tie_word_embeddings:
-            self.lm_head = _Params(dtype, weight=(c.vocab_size, H))
-        self.logits_processor = _LogitsScale(c.vocab_size)
+            self.lm_head = Params(dtype, weight=(c.vocab_size, H))
+        self.logits_processor = LogitsScale(c.vocab_size)
         # Blockwise FP8 (config key qwen3_dsv3.FP8_CONFIG_KEY, e.g. hf_overrides={"rz_fp8": "blockwise"}):
         # the parameters stay the checkpoint's high-precision weights (what a weight sync writes and
         # reads back); their e4m3 copies + 128x128 scales live here, off the module tree (vLLM's

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._model import RZAlignedForCausalLM, _Params
+from ._model import Params, RZAlignedForCausalLM
 
 
 class RZAlignedDeepseekV3ForCausalLM(RZAlignedForCausalLM):
@@ -39,15 +39,15 @@ class RZAlignedDeepseekV3ForCausalLM(RZAlignedForCausalLM):
         nh = c.num_heads
         m = nn.Module()
         if c.q_lora_rank is None:
-            m.q_proj = _Params(dtype, weight=(nh * c.qk_head_dim, H))
+            m.q_proj = Params(dtype, weight=(nh * c.qk_head_dim, H))
         else:
-            m.q_a_proj = _Params(dtype, weight=(c.q_lora_rank, H))
-            m.q_a_layernorm = _Params(dtype, weight=(c.q_lora_rank,))
-            m.q_b_proj = _Params(dtype, weight=(nh * c.qk_head_dim, c.q_lora_rank))
-        m.kv_a_proj_with_mqa = _Params(dtype, weight=(c.kv_lora_rank + c.qk_rope_head_dim, H))
-        m.kv_a_layernorm = _Params(dtype, weight=(c.kv_lora_rank,))
-        m.kv_b_proj = _Params(dtype, weight=(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
-        m.o_proj = _Params(dtype, weight=(H, nh * c.v_head_dim))
+            m.q_a_proj = Params(dtype, weight=(c.q_lora_rank, H))
+            m.q_a_layernorm = Params(dtype, weight=(c.q_lora_rank,))
+            m.q_b_proj = Params(dtype, weight=(nh * c.qk_head_dim, c.q_lora_rank))
+        m.kv_a_proj_with_mqa = Params(dtype, weight=(c.kv_lora_rank + c.qk_rope_head_dim, H))
+        m.kv_a_layernorm = Params(dtype, weight=(c.kv_lora_rank,))
+        m.kv_b_proj = Params(dtype, weight=(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
+        m.o_proj = Params(dtype, weight=(H, nh * c.v_head_dim))
         if c.v_head_dim > c.qk_head_dim:
             raise NotImplementedError("aligned DeepSeek-V3: v_head_dim > qk head dim")
         m.attn = self._make_attn(prefix, nh, c.qk_head_dim, nh, rz_v_head_dim=c.v_head_dim)

@@ -30,7 +30,7 @@ from vllm.model_executor.layers.attention import Attention
 import kernels
 
 from kernels.models import dsv4 as R
-from ._model import RZAlignedForCausalLM, _LogitsScale
+from ._model import LogitsScale, RZAlignedForCausalLM
 from .attention_backend import RZAlignedAttentionBackend
 
 
@@ -61,7 +61,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
                 num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,
                 quant_config=None, prefix=f"layers.{i}.attn.cache", attn_backend=RZAlignedAttentionBackend,
             )
-        self.logits_processor = _LogitsScale(c.vocab_size)
+        self.logits_processor = LogitsScale(c.vocab_size)
 
     # ---- attention through the paged payload cache ---------------------------------------------
     def _attend(self, i: int, layer: nn.Module, state: dict, positions: torch.Tensor) -> torch.Tensor:

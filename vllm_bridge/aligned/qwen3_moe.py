@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._model import RZAlignedForCausalLM, _packed_rows, _Params
+from ._model import Params, RZAlignedForCausalLM, packed_rows
 
 
 class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
@@ -27,15 +27,15 @@ class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
         m = nn.Module()
         rows = {"q_proj": lc.num_heads * D, "k_proj": lc.num_kv_heads * D, "v_proj": lc.num_kv_heads * D}
         if self.rz_fast:  # q/k/v: row blocks of one packed weight (one GEMM on the GPU)
-            pack, leaves = _packed_rows(dtype, H, rows)
+            pack, leaves = packed_rows(dtype, H, rows)
             m.q_proj, m.k_proj, m.v_proj = leaves["q_proj"], leaves["k_proj"], leaves["v_proj"]
             m.rz_packs = {"qkv": (pack, ("q_proj", "k_proj", "v_proj"))}
         else:
             for name, n in rows.items():
-                setattr(m, name, _Params(dtype, weight=(n, H)))
-        m.o_proj = _Params(dtype, weight=(H, lc.num_heads * D))
-        m.q_norm = _Params(dtype, weight=(D,))
-        m.k_norm = _Params(dtype, weight=(D,))
+                setattr(m, name, Params(dtype, weight=(n, H)))
+        m.o_proj = Params(dtype, weight=(H, lc.num_heads * D))
+        m.q_norm = Params(dtype, weight=(D,))
+        m.k_norm = Params(dtype, weight=(D,))
         m.attn = self._make_attn(prefix, lc.num_heads, D, lc.num_kv_heads)
         if self.rz_sharded:
             self._shard(f"{prefix}.q_proj.weight", 0, c.num_heads * D)

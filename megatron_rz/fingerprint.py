@@ -1,0 +1,34 @@
+"""Hashes of what a run computes: the recipe hash and the tiny base model's hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from megatron_rz.recipe import Recipe
+
+# Fields that do not change what a run computes (compared when a run is resumed).
+NOT_RESULTS = {"checkpoint": {"load"}, "logging": {"progress", "plots", "wandb", "wandb_mode"}}
+BASE_FORMAT = 1  # bump when warm_start changes what it makes from the same settings
+
+
+def digest(obj) -> str:
+    """A short stable hash of a JSON-able object."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def base_model_hash(recipe: Recipe, seed: int) -> str:
+    """Hash of everything the tiny base model is made from: model sizes and dtype, the task, the
+    warm start and its seed (not model.fp8, applied per engine, nor model.pretrained)."""
+    return digest({"format": BASE_FORMAT, "seed": int(seed), "task": recipe.task.model_dump(),
+                   "warm_start": recipe.warm_start.model_dump(),
+                   "model": recipe.model.model_dump(exclude={"pretrained", "fp8"})})
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """Hash of the resolved recipe without the fields in NOT_RESULTS."""
+    d = recipe.model_dump()
+    for section, keys in NOT_RESULTS.items():
+        for k in keys:
+            d[section].pop(k, None)
+    return digest(d)
