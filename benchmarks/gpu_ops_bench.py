@@ -274,12 +274,12 @@ def bench_decode(args):
             lp_a = aligned_decode(c, W, ca, tables, tok, L, tgt)
             lp_f = fast_decode(c, W, cf, tables, tok, L, tgt)
             diff = (lp_a - lp_f).abs().max().item()
-            import kernels.triton.gemm as _kg
+            from kernels import set_gemm_small_tiles
 
-            _kg.SMALL_TILES = False  # the GEMM tile choice before the small-tile rule (same bits)
+            set_gemm_small_tiles(False)  # the GEMM tile choice before the small-tile rule (same bits)
             t_a_big = statistics.median([bench_graph(lambda i: (lambda: aligned_decode(c, W, ca, tables, tok, L, tgt)),
                                                      1, iters=4, reps=10) for _ in range(2)])
-            _kg.SMALL_TILES = True
+            set_gemm_small_tiles(True)
             lp_a2 = aligned_decode(c, W, ca, tables, tok, L, tgt)
             assert torch.equal(lp_a2, lp_a), "tile choice changed the bits"
             times_a, times_f, times_ff = [], [], []

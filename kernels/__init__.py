@@ -45,7 +45,9 @@ _EXPORTS = {
     "fp8_gemm": "dispatch",
     "fp8_linear": "dispatch",
     "fake_quant_linear": "dispatch",
-    "set_backend": "dispatch",
+    "set_backend": "settings",
+    "backend": "settings",
+    "set_gemm_small_tiles": "settings",
     # device-agnostic (plain torch, exact per element on any device)
     "sum_partials": "gemm",
     "finish_linear": "gemm",

@@ -3,7 +3,7 @@
 ``kernels.linear``, ``kernels.rms_norm``, ... resolve to the functions here (kernels/__init__.py).
 Signatures are those of the reference ops. For tensors on the CPU (or any non-CUDA device), for
 inputs the Triton kernels do not take (float64, mixed operand dtypes), when Triton or CUDA is
-missing, or under ``RZ_KERNELS=reference`` / :func:`set_backend` ``("reference")``, the call goes to
+missing, or under :func:`set_backend` ``("reference")`` (kernels/settings.py), the call goes to
 the reference op unchanged -- so CPU results are bit for bit what they always were.
 
 GPU numerics differ from the CPU reference (other reduction trees), but follow the same contract:
@@ -21,7 +21,6 @@ functions. Differences to keep in mind on CUDA:
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence, Union
 
 import torch
@@ -37,6 +36,7 @@ from . import rope as _rope
 from . import router as _router
 from ._common import with_reference_grad
 from .gemm import ROW_PARALLEL_K_SEGMENTS
+from .settings import backend, set_backend
 
 __all__ = [
     "set_backend", "backend", "use_triton",
@@ -46,21 +46,8 @@ __all__ = [
     "quantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
 ]
 
-_BACKEND = os.environ.get("RZ_KERNELS", "auto")
 _TRITON_OK: Optional[bool] = None
 _GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def set_backend(name: str) -> None:
-    """``"auto"`` (Triton for CUDA tensors) or ``"reference"`` (the exact reference everywhere)."""
-    global _BACKEND
-    if name not in ("auto", "reference"):
-        raise ValueError("backend must be 'auto' or 'reference'")
-    _BACKEND = name
-
-
-def backend() -> str:
-    return _BACKEND
 
 
 def _triton_ok() -> bool:
@@ -74,7 +61,7 @@ def _triton_ok() -> bool:
 
 def use_triton(*tensors: Optional[torch.Tensor]) -> bool:
     """True when the first tensor is on CUDA, the backend is auto and Triton is usable."""
-    if _BACKEND != "auto":
+    if backend() != "auto":
         return False
     t = next((t for t in tensors if t is not None), None)
     return t is not None and t.is_cuda and _triton_ok()

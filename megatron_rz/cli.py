@@ -101,8 +101,17 @@ def _train_or_stop(train, recipe):
                          f"`rz train ... checkpoint.load=latest`") from e
 
 
-def cmd_train(args) -> int:
+def _load(args):
+    """The recipe of a command that runs something, its process settings applied (megatron_rz.runtime)."""
+    from megatron_rz.runtime import apply_runtime
+
     recipe = load_recipe(args.recipe, args.overrides)
+    apply_runtime(recipe)
+    return recipe
+
+
+def cmd_train(args) -> int:
+    recipe = _load(args)
     from megatron_rz.resume import resolve_load
 
     if recipe.model.pretrained:  # a wrong or mismatched base checkpoint fails here, before any engine
@@ -135,7 +144,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load(args)
     extra = ["--prompts", str(args.prompts), "--samples", str(args.samples)]
     if args.inject_fault:
         extra += ["--inject-fault", args.inject_fault]
@@ -148,7 +157,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load(args)
     from megatron_rz.bench import main_bench
 
     return main_bench(recipe, args.what, args.rounds)
@@ -210,18 +219,6 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _quiet() -> None:
-    # Expected on CPU: Megatron announces its TE/Apex fallbacks at import, vLLM logs every engine
-    # step at INFO. Keep the terminal for progress bars and results (RZ_VERBOSE=1 shows all).
-    if os.environ.get("RZ_VERBOSE") == "1":
-        return
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 class UsageError(RecipeError):
     """A command line argparse refuses (one line, exit 2, like every bad input)."""
 
@@ -243,7 +240,8 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Every bad input (recipe file, key, value, flag, run directory) ends here as one line on
-    stderr and exit code 2, before anything starts; RZ_DEBUG=1 or --debug adds the traceback."""
+    stderr and exit code 2, before anything starts; --debug or RZ_DEBUG=1 adds the traceback (a switch
+    of the command line, not of the run, so not a recipe field: a bad recipe is reported before one exists)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("RZ_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
@@ -268,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    _quiet()
     parser = _Parser(prog="rz", description="reinforce-zero: stable async RL on MoE models "
                      "(--debug or RZ_DEBUG=1: tracebacks for errors)")
     sub = parser.add_subparsers(dest="cmd", required=True)

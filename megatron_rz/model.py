@@ -43,13 +43,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _timeout_kwargs() -> dict:
-    """RZ_COLLECTIVE_TIMEOUT_S: how long a learner collective waits for the other ranks before it
-    raises (a dead or hung rank becomes an error, not a hang). Unset: torch's defaults (gloo 30 min,
+def _timeout_kwargs(parallel: ParallelConfig) -> dict:
+    """parallel.collective_timeout_s: how long a learner collective waits for the other ranks before
+    it raises (a dead or hung rank becomes an error, not a hang). None: torch's defaults (gloo 30 min,
     NCCL 10 min). Megatron's subgroups take whole minutes (rounded up)."""
     from datetime import timedelta
 
-    s = os.environ.get("RZ_COLLECTIVE_TIMEOUT_S")
+    s = parallel.collective_timeout_s
     return {"timeout": timedelta(seconds=float(s))} if s else {}
 
 
@@ -73,7 +73,7 @@ def init_parallel(parallel: ParallelConfig, seed: int = 0) -> None:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # under torchrun
-            dist.init_process_group(backend, init_method="env://", **_timeout_kwargs())
+            dist.init_process_group(backend, init_method="env://", **_timeout_kwargs(parallel))
         else:
             # A lone process: its own loopback port, passed explicitly. Nothing goes into
             # os.environ, so child processes (tests, rz subcommands) never inherit a bound port.
@@ -100,8 +100,8 @@ def init_parallel(parallel: ParallelConfig, seed: int = 0) -> None:
             pipeline_model_parallel_size=parallel.pp,
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.etp,
-            **({"distributed_timeout_minutes": max(1, math.ceil(_timeout_kwargs()["timeout"].total_seconds() / 60))}
-               if _timeout_kwargs() else {}),
+            **({"distributed_timeout_minutes": max(1, math.ceil(parallel.collective_timeout_s / 60))}
+               if parallel.collective_timeout_s else {}),
         )
     # Per-region seeding (model-parallel, expert-parallel and data-parallel RNG states): CUDA
     # generators on a GPU, the CPU generator through megatron_patches on a CPU host.

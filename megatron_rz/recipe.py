@@ -157,6 +157,10 @@ class ParallelConfig(_Strict):
     # reduce-scattered, parameters all-gathered. Same updates as the plain optimizer (to fp32
     # reduction order); the memory plan divides optimizer state accordingly.
     distributed_optimizer: bool = False
+    # Seconds a learner collective waits for the other ranks before it raises (a dead or hung rank
+    # becomes an error, not a hang); null: torch's defaults (gloo 30 min, NCCL 10 min). Megatron's
+    # subgroups take whole minutes (rounded up).
+    collective_timeout_s: PosF | None = None
 
     @field_validator("tp", "pp", "ep", "etp", "dp")
     @classmethod
@@ -344,6 +348,7 @@ class LoggingConfig(_Strict):
     wandb_project: str = "reinforce-zero"
     plots: bool = True
     progress: bool = True
+    verbose: bool = False  # also Megatron's import-time fallback warnings and vLLM's INFO log lines
 
 
 class CheckpointConfig(_Strict):
@@ -351,6 +356,20 @@ class CheckpointConfig(_Strict):
     # a checkpoint dir to resume from, or "latest": the newest complete one in this run dir (none yet:
     # start fresh), which is what a requeued SLURM job uses
     load: str | None = None
+    # How a checkpoint is verified before it is loaded: hash re-reads every file against its BLAKE2b
+    # digest; size compares sizes only (no re-read: for very large runs).
+    verify: Literal["hash", "size"] = "hash"
+
+
+class RuntimeConfig(_Strict):
+    """How the run's processes execute; megatron_rz.runtime applies it to this process and, through
+    the environment, to the processes it starts (torchrun ranks, vLLM's workers)."""
+
+    # auto: the Triton kernels for CUDA tensors, the exact reference ops elsewhere; reference: the
+    # reference ops on every device (slow on a GPU; for diagnosis). CPU runs compute the same either way.
+    kernels: Literal["auto", "reference"] = "auto"
+    gemm_small_tiles: bool = True  # GPU GEMM: the short-K tile table (same bits either way; speed only)
+    vllm_patches: bool = True  # false: vLLM without vllm_bridge/vllm_patches.py's fixes (diagnosis only)
 
 
 class Recipe(_Strict):
@@ -367,6 +386,7 @@ class Recipe(_Strict):
     schedule: ScheduleConfig = ScheduleConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     # Where `rz submit` runs the recipe (SLURM); unused by rz train. See megatron_rz/cluster.py.
     cluster: ClusterConfig = ClusterConfig()
 
@@ -547,7 +567,7 @@ def _one_error(e: dict) -> str:
     if e["type"] in _OPS:
         msg = f"must be {_OPS[e['type']]} {e['ctx'][_LIMIT[e['type']]]}"
     if field is not None and not isinstance(field.default, BaseModel):
-        fix = f"; e.g. {loc}={field.default} (the default)"
+        fix = f"; e.g. {loc}={'null' if field.default is None else field.default} (the default)"
     if isinstance(value, (dict, list)) and len(repr(value)) > 60:
         shown = type(value).__name__
     return f"{loc}={shown}: {msg}{fix}"

@@ -8,7 +8,8 @@
   file's size and BLAKE2b digest, written atomically). `checkpoint.load: latest` picks the newest
   checkpoint that verifies (`verify_checkpoint`): one killed while saving (no marker), with a
   missing, truncated or corrupted file, or with a torn marker is named and skipped for the one
-  before. RZ_CKPT_VERIFY=size checks sizes only (no re-read of the files: for very large runs).
+  before. Recipe `checkpoint.verify: size` checks sizes only (no re-read of the files: for very large
+  runs; `set_verify` applies it, megatron_rz.runtime calls it).
 - metrics.jsonl keeps the rows up to the resumed step and drops the ones a killed run wrote after
   its last checkpoint, so the file reads like one uninterrupted run.
 """
@@ -68,6 +69,22 @@ def mark_complete(ckpt_dir: Path, step: int) -> None:
     os.replace(tmp, d / COMPLETE)
 
 
+_verify = "hash"  # recipe checkpoint.verify, set through set_verify
+
+
+def set_verify(mode: str) -> None:
+    """How verify_checkpoint checks files by default: "hash" (sizes and BLAKE2b digests) or "size"."""
+    global _verify
+    if mode not in ("hash", "size"):
+        raise ValueError(f"checkpoint verify mode {mode!r}: must be 'hash' or 'size'")
+    _verify = mode
+
+
+def verify_mode() -> str:
+    """The default of verify_checkpoint: "hash" or "size"."""
+    return _verify
+
+
 def verify_checkpoint(ckpt_dir: Path, hashes: bool | None = None) -> str | None:
     """None when the checkpoint is complete and intact, else what is wrong with it (naming the file).
     A marker without a manifest (written before manifests existed) counts as complete."""
@@ -83,7 +100,7 @@ def verify_checkpoint(ckpt_dir: Path, hashes: bool | None = None) -> str | None:
     except (ValueError, KeyError, TypeError):
         return f"{COMPLETE} marker is torn or unreadable"
     if hashes is None:
-        hashes = os.environ.get("RZ_CKPT_VERIFY", "hash") != "size"
+        hashes = _verify != "size"
     for name, want in files.items():
         f = d / name
         if not f.is_file():

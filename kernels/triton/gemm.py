@@ -22,12 +22,13 @@ No atomics, no cuBLAS, no split-K chosen by M.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from ..settings import gemm_small_tiles
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -99,8 +100,8 @@ CONFIGS = {
 
 # Short-K layers (K <= 2048 with N <= 4096, or K <= 1024: e.g. a ~1B model's projections) have their own table, from the H200
 # sweep of those shapes (benchmarks/gpu_kernels.py --groups gemm1b): the prefill tiles of the
-# large-K table leave most SMs idle there. Same bits either way. RZ_GEMM_SMALL_TILES=0 turns it off.
-SMALL_TILES = os.environ.get("RZ_GEMM_SMALL_TILES", "1") != "0"
+# large-K table leave most SMs idle there. Same bits either way. kernels.set_gemm_small_tiles(False)
+# (recipe runtime.gemm_small_tiles=false) turns it off.
 
 
 def _pick_short_k(M: int, N: int, k_segments: int) -> Optional[GemmConfig]:
@@ -133,7 +134,7 @@ def pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:
     The choice may depend on M freely: every config gives the same bits for a given (K, N,
     k_segments). Only the segmentation (an argument here) is fixed per layer.
     """
-    if SMALL_TILES and K <= 2048 and (N <= 4096 or K <= 1024):
+    if gemm_small_tiles() and K <= 2048 and (N <= 4096 or K <= 1024):
         cfg = _pick_short_k(M, N, k_segments)
         if cfg is not None:
             return cfg

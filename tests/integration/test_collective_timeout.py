@@ -1,4 +1,4 @@
-"""A learner rank that stops answering makes the others fail within RZ_COLLECTIVE_TIMEOUT_S
+"""A learner rank that stops answering makes the others fail within parallel.collective_timeout_s
 instead of hanging (two gloo ranks started like torchrun's, through model.init_parallel).
 Measured: `raised after 3.0s: RuntimeError: ... Timed out waiting 3000ms for recv operation`."""
 
@@ -20,7 +20,7 @@ RANK = """
 import os, sys, time, torch, torch.distributed as dist
 from megatron_rz.model import init_parallel
 from megatron_rz.recipe import ParallelConfig
-init_parallel(ParallelConfig(dp=2))
+init_parallel(ParallelConfig(dp=2, collective_timeout_s=3))
 print("ready", flush=True)
 if dist.get_rank() == 1:
     time.sleep(60)  # a hung rank: never joins the collective
@@ -41,7 +41,7 @@ def test_hung_rank_becomes_an_error_within_the_timeout():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "RZ_COLLECTIVE_TIMEOUT_S": "3", "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", RANK], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:

@@ -78,6 +78,18 @@ CASES = [
     (["validate", TINY, "algo.max_bad_updates=0"], ["algo.max_bad_updates=0"]),
     (["validate", TINY, "algo.icepop_low=3"], ["icepop_low=3", "icepop_high"]),
     (["validate", TINY, "task.ops=[]"], ["task.ops"]),
+    # process settings (recipe runtime section and friends; were RZ_* environment variables)
+    (["validate", TINY, "runtime.kernels=triton"], ["runtime.kernels='triton'", "'auto' or 'reference'",
+                                                   "runtime.kernels=auto"]),
+    (["train", TINY, "runtime.kernel=auto"], ["runtime.kernel'", "did you mean 'runtime.kernels'"]),
+    (["validate", TINY, "runtime.gemm_small_tiles=sometimes"], ["runtime.gemm_small_tiles='sometimes'", "boolean"]),
+    (["check", TINY, "runtime.vllm_patches=2"], ["runtime.vllm_patches=2", "boolean", "runtime.vllm_patches=True"]),
+    (["validate", TINY, "runtime=fast"], ["runtime='fast'", "section"]),
+    (["validate", TINY, "checkpoint.verify=md5"], ["checkpoint.verify='md5'", "'hash' or 'size'",
+                                                  "checkpoint.verify=hash"]),
+    (["train", TINY, "parallel.collective_timeout_s=0"], ["parallel.collective_timeout_s=0", "> 0",
+                                                          "parallel.collective_timeout_s=null"]),
+    (["validate", TINY, "logging.verbose=loud"], ["logging.verbose='loud'", "boolean"]),
     # sizes that do not fit together
     (["train", TINY, "parallel.ep=3"], ["ep*etp=3", "tp*dp"]),
     (["validate", TINY, "model.top_k=9"], ["top_k=9", "num_experts"]),

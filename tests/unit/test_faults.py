@@ -111,11 +111,25 @@ def test_damaged_newest_checkpoint_is_named_and_skipped_for_the_previous(tmp_pat
     assert resolve_load("latest", tmp_path) == older
 
 
-def test_size_only_verification_still_catches_truncation(tmp_path, monkeypatch):
-    monkeypatch.setenv("RZ_CKPT_VERIFY", "size")
-    older, newest = _save(tmp_path, 1), _save(tmp_path, 2)
-    (newest / "rank00000.pt").write_bytes(b"")
-    assert latest_checkpoint(tmp_path, log=lambda m: None) == older
+def test_size_only_verification_still_catches_truncation(tmp_path):
+    from megatron_rz.resume import set_verify, verify_mode
+
+    set_verify("size")  # recipe checkpoint.verify=size (megatron_rz.runtime applies it)
+    try:
+        older, newest = _save(tmp_path, 1), _save(tmp_path, 2)
+        (newest / "rank00000.pt").write_bytes(b"")
+        assert latest_checkpoint(tmp_path, log=lambda m: None) == older
+        flipped = _save(tmp_path, 3)  # same size, other bytes: sizes only do not re-read it
+        f = flipped / "rank00000.pt"
+        f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:])
+        assert latest_checkpoint(tmp_path, log=lambda m: None) == flipped
+        set_verify("hash")
+        assert latest_checkpoint(tmp_path, log=lambda m: None) == older
+    finally:
+        set_verify("hash")
+    assert verify_mode() == "hash"
+    with pytest.raises(ValueError, match="'hash' or 'size'"):
+        set_verify("md5")
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_loadable(tmp_path):
