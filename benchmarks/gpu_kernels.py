@@ -31,7 +31,6 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks.graph_timing import bench_graph, copies  # noqa: E402
 
