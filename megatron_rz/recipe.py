@@ -213,6 +213,20 @@ class RolloutConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] | None = None
     verify_sync: bool = True  # after each sync, check vLLM's logprobs now follow the new weights
     verify_every: int = 10
+    # Where the engines run: "local" = one in-process vLLM engine on learner rank 0; "servers" = the
+    # `vllm serve` processes of an `rz submit` job's rollout nodes (vllm_bridge.server_client.connect;
+    # rz submit sets it for the learner), found in RUN_DIR/rollout/servers/.
+    where: Literal["local", "servers"] = "local"
+    server_wait_s: PosF = 600.0  # how long the learner waits for the servers' records
+    # A server that does not answer GET /health for this long is named dead (the bound is 60 s).
+    server_dead_after_s: PosF = 30.0
+
+    @field_validator("server_dead_after_s")
+    @classmethod
+    def _dead_after(cls, v: float) -> float:
+        if v > 50:
+            raise ValueError("rollout.server_dead_after_s must be <= 50 (a dead server is named within 60 s)")
+        return v
 
     @field_validator("temperature")
     @classmethod
@@ -389,6 +403,15 @@ class Recipe(_Strict):
     runtime: RuntimeConfig = RuntimeConfig()
     # Where `rz submit` runs the recipe (SLURM); unused by rz train. See megatron_rz/cluster.py.
     cluster: ClusterConfig = ClusterConfig()
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """RolloutEngine's keyword arguments for this run (besides the checkpoint directory): the one
+        place they are written, used by the in-process engine and by the `vllm serve` of each
+        rollout node (rz submit renders them into the batch script: vllm_bridge.serve --engine-args)."""
+        r = self.rollout
+        return dict(dtype=r.dtype or self.model.dtype, seed=self.schedule.seed, max_num_seqs=r.max_num_seqs,
+                    kv_cache_gb=r.kv_cache_gb, max_model_len=self.model.max_position_embeddings,
+                    aligned=self.mode == "aligned", tensor_parallel_size=r.tensor_parallel_size, fp8=self.model.fp8)
 
     @model_validator(mode="after")
     def _sampling_contract(self) -> Recipe:
