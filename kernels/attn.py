@@ -30,9 +30,10 @@ from typing import Optional
 
 import torch
 
+from . import _native
 from ._common import PRODUCT_BUDGET, tree_sum, with_reference_grad
 
-__all__ = ["attention", "causal_attention", "varlen_attention"]
+__all__ = ["attention", "attention_packed", "causal_attention", "varlen_attention"]
 
 
 def _check(q, k, v, q_positions):
@@ -50,7 +51,27 @@ def _check(q, k, v, q_positions):
         raise ValueError("attention: every query position p needs keys 0..p in the KV (p < S)")
 
 
+def _use_native(*ts) -> bool:
+    return all(t.device.type == "cpu" and t.dtype != torch.float64 for t in ts) and _native.available()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    t = t.to(torch.float32)
+    return t if t.numel() == 0 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _packed_fwd(q, k, v, q_start, nq, key_start, pos, scale, odt):
+    """Several sequences in one compiled call (bitwise :func:`_attention_fwd_torch` per sequence)."""
+    return _native.attention_packed(_f32(q), _f32(k), _f32(v), q_start, nq, key_start, pos, scale).to(odt)
+
+
 def _attention_fwd(q, k, v, pos, scale, odt):
+    if _use_native(q, k, v):
+        return _packed_fwd(q, k, v, [0], [q.shape[0]], [0], pos, scale, odt)
+    return _attention_fwd_torch(q, k, v, pos, scale, odt)
+
+
+def _attention_fwd_torch(q, k, v, pos, scale, odt):
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
     Dv = v.shape[-1]
@@ -140,6 +161,20 @@ def causal_attention(
     """
     B, S = q.shape[:2]
     pos = torch.arange(S, device=q.device)
+    if B and S and _use_native(q, k, v):
+        odt = out_dtype or q.dtype
+        Hq, Hkv = q.shape[2], k.shape[2]
+        starts = [b * S for b in range(B)]
+
+        def fwd(q_, k_, v_):
+            o = _packed_fwd(q_.reshape(B * S, Hq, -1), k_.reshape(B * S, Hkv, -1), v_.reshape(B * S, Hkv, -1),
+                            starts, [S] * B, starts, pos.repeat(B), scale, odt)
+            return o.reshape(B, S, Hq, -1)
+
+        def ref(q_, k_, v_):
+            return torch.stack([_attention_ref(q_[b], k_[b], v_[b], pos, scale, odt) for b in range(B)])
+
+        return with_reference_grad(fwd, ref, q, k, v)
     outs = [attention(q[b], k[b], v[b], pos, scale, out_dtype=out_dtype) for b in range(B)]
     if not outs:
         return q.new_empty(0, S, q.shape[2], v.shape[-1], dtype=out_dtype or q.dtype)
@@ -167,14 +202,89 @@ def varlen_attention(
     ck = [int(c) for c in cu_seqlens_k]
     if len(cq) != len(ck) or cq[0] != 0 or ck[0] != 0 or cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
         raise ValueError("varlen_attention: cu_seqlens_q/k must start at 0 and end at the token counts")
+    nqs = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
+    nks = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
+    for b, (nq, nk) in enumerate(zip(nqs, nks)):
+        if nq > nk:
+            raise ValueError(f"varlen_attention: sequence {b} has more queries ({nq}) than keys ({nk})")
+    if q.shape[0] and _use_native(q, k, v):
+        odt = out_dtype or q.dtype
+        pos = torch.cat([torch.arange(nk - nq, nk) for nq, nk in zip(nqs, nks)])
+
+        def fwd(q_, k_, v_):
+            return _packed_fwd(q_, k_, v_, cq[:-1], nqs, ck[:-1], pos, scale, odt)
+
+        def ref(q_, k_, v_):
+            return torch.cat([_attention_ref(q_[cq[b]:cq[b + 1]], k_[ck[b]:ck[b + 1]], v_[ck[b]:ck[b + 1]],
+                                             pos[cq[b]:cq[b + 1]], scale, odt) for b in range(len(nqs))])
+
+        return with_reference_grad(fwd, ref, q, k, v)
     outs = []
     for b in range(len(cq) - 1):
         nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        if nq > nk:
-            raise ValueError(f"varlen_attention: sequence {b} has more queries ({nq}) than keys ({nk})")
         pos = torch.arange(nk - nq, nk, device=q.device)
         outs.append(attention(q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], pos, scale,
                               out_dtype=out_dtype))
     if not outs:
         return q.new_empty(0, q.shape[1], v.shape[-1], dtype=out_dtype or q.dtype)
     return torch.cat(outs, dim=0)
+
+
+def attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start,
+    nq,
+    key_start,
+    q_positions: torch.Tensor,
+    scale: float,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Many sequences in one call, each row bitwise what :func:`attention` gives for its sequence.
+
+    Sequence ``i`` owns query rows ``q_start[i] : q_start[i] + nq[i]`` of ``q[T, Hq, D]`` and key /
+    value rows ``key_start[i] + j`` of ``k[Sk, Hkv, D]`` / ``v[Sk, Hkv, Dv]`` (its key ``j`` is at
+    position ``j``); query row ``t`` is at position ``q_positions[t]`` and sees keys ``0..q_positions[t]``
+    of its own sequence (only those are read: other rows may hold anything). Rows not owned by any
+    sequence come back as zeros. On the CPU this is one compiled call for the whole batch
+    (:mod:`kernels._native`); otherwise one :func:`attention` per sequence.
+    """
+    odt = out_dtype or q.dtype
+    qs = [int(a) for a in q_start]
+    ns = [int(a) for a in nq]
+    ks = [int(a) for a in key_start]
+    pos = q_positions.to(torch.long)
+    T = q.shape[0]
+    if T and qs and _use_native(q, k, v):
+        tiled = qs[0] == 0 and all(a + n == b for a, n, b in zip(qs, ns, qs[1:] + [T]))
+        if tiled:  # the sequences own every row (the usual case)
+            owned, posn = None, pos
+        else:
+            owned = torch.zeros(T, dtype=torch.bool)
+            for a, n in zip(qs, ns):
+                owned[a:a + n] = True
+            posn = torch.where(owned, pos, torch.zeros_like(pos))  # unowned rows: any valid position
+
+        def fwd(q_, k_, v_):
+            o = _packed_fwd(q_, k_, v_, qs, ns, ks, posn, scale, odt)
+            if owned is not None:
+                o[~owned] = 0
+            return o
+
+        def ref(q_, k_, v_):
+            o = torch.zeros(T, q_.shape[1], v_.shape[-1], dtype=odt)
+            for a, n, kb in zip(qs, ns, ks):
+                if n:
+                    L = int(pos[a:a + n].max()) + 1
+                    o[a:a + n] = _attention_ref(q_[a:a + n], k_[kb:kb + L], v_[kb:kb + L], pos[a:a + n], scale, odt)
+            return o
+
+        return with_reference_grad(fwd, ref, q, k, v)
+    out = q.new_zeros(T, q.shape[1], v.shape[-1], dtype=odt)
+    for a, n, kb in zip(qs, ns, ks):
+        if n:
+            L = int(pos[a:a + n].max()) + 1
+            out[a:a + n] = attention(q[a:a + n], k[kb:kb + L], v[kb:kb + L], pos[a:a + n], scale, out_dtype=odt)
+    return out

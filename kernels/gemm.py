@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _native
 from ._common import PRODUCT_BUDGET, fold_sum, tree_sum, with_reference_grad
 
 __all__ = ["linear", "linear_partial", "sum_partials", "finish_linear"]
@@ -52,7 +53,19 @@ def _acc_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
 
 
 def _partial_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[M, N] = tree over K of x2[M, K] * w[N, K] (both already in the accumulation dtype)."""
+    """[M, N] = tree over K of x2[M, K] * w[N, K] (both already in the accumulation dtype).
+
+    fp32 CPU tensors go to the compiled kernel (:mod:`kernels._native`: the same operations in the
+    same order, so the same bits) when it is available; anything else to the torch code below.
+    """
+    if (x2.dtype == torch.float32 and w.dtype == torch.float32 and x2.device.type == "cpu"
+            and w.device.type == "cpu" and _native.available()):
+        return _native.gemm(x2, w)
+    return _partial_fp32_torch(x2, w)
+
+
+def _partial_fp32_torch(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The torch reference of :func:`_partial_fp32`: explicit products, :func:`tree_sum` over K."""
     M, K = x2.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)

@@ -648,3 +648,213 @@ def test_end_to_end_learner_equals_rollout(dtype, seed, lens):
             lps.append(token_logprobs(out, Wt["lm"], s[t + 1 : t + 2], 0.9))
         if c:
             assert torch.equal(torch.cat(lps), learner[b, p - 1 : p - 1 + c])
+
+
+# ------------------------------------------------------------------- compiled CPU kernels (_native)
+# kernels/_native.c performs the reference's operations in the reference's order. These tests check
+# (1) it is active here, (2) it gives the torch reference's bits, (3) the contract itself, through a
+# checker that is shown to catch a plain torch matmul, (4) the fallback when the self-test fails.
+
+import contextlib
+import shutil
+import warnings
+
+from kernels import _native
+from kernels.attn import attention_packed
+
+
+@contextlib.contextmanager
+def _reference_only():
+    """Run the torch reference code instead of the compiled kernels."""
+    old = _native._STATE
+    _native.disable("test: reference")
+    try:
+        yield
+    finally:
+        _native._STATE = old
+
+
+@contextlib.contextmanager
+def _threads(n: int, always_split: bool = False):
+    """torch thread count n; always_split: let the compiled kernels use threads even for tiny calls."""
+    old, old_min = torch.get_num_threads(), _native._THREAD_MIN_WORK
+    torch.set_num_threads(n)
+    if always_split:
+        _native._THREAD_MIN_WORK = 0
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+        _native._THREAD_MIN_WORK = old_min
+
+
+def _wide(g, *shape, dtype=torch.float32):
+    """Values over a wide exponent range: any other addition order changes the bits."""
+    return (torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g) * 3)).to(dtype)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_native_kernels_active():
+    assert _native.available(), _native.status()
+    assert _native.status() == "ok"
+
+
+def test_native_tree_equals_tree_sum_every_length():
+    """The compiled tree is tree_sum's tree for every reduction length 0..600."""
+    if not _native.available():
+        pytest.skip(_native.status())
+    g = _gen(5)
+    for n in range(0, 601):
+        x = _wide(g, 3, n)
+        w = _wide(g, 2, n)
+        ref = tree_sum(x[:, None, :] * w[None, :, :], dim=-1)
+        assert torch.equal(_native.gemm(x, w), ref), n
+
+
+@SETTINGS
+@given(seed=seed_st, M=st.integers(1, 70), N=st.integers(1, 40), K=st.integers(1, 300), dtype=dtype_st,
+       segs=st.sampled_from([1, 2, 3]), wlayout=st.sampled_from(["rows", "transposed", "strided"]))
+def test_native_linear_equals_reference(seed, M, N, K, dtype, segs, wlayout):
+    """linear through the compiled kernel == the torch reference, bit for bit (any weight layout)."""
+    K = K - K % segs or segs
+    g = _gen(seed)
+    x = _wide(g, M, K, dtype=dtype)
+    W = _wide(g, N, K, dtype=dtype)
+    if wlayout == "transposed":
+        W = W.t().contiguous().t()
+    elif wlayout == "strided":
+        W = torch.cat([W, W], dim=1)[:, ::2] if K > 0 else W
+    b = _wide(g, N)
+    fast = linear(x, W, b, k_segments=segs, out_dtype=torch.float32)
+    with _reference_only():
+        ref = linear(x, W, b, k_segments=segs, out_dtype=torch.float32)
+    assert torch.equal(fast, ref)
+
+
+def _row_variants(fn, x: torch.Tensor, g, batches=(1, 2, 3, 4, 5, 8, 13, 16, 31, 64, 65)) -> list[torch.Tensor]:
+    """Row 0 of x through ``fn`` alone and inside batches of other sizes, at random positions, with
+    random other rows, under 1 and 2 threads (with the compiled kernels' thread split forced)."""
+    outs = [fn(x[:1])[0]]
+    for n in batches:
+        i = int(torch.randint(0, n, (1,), generator=g))
+        batch = _wide(g, n, *x.shape[1:], dtype=x.dtype)
+        batch[i] = x[0]
+        for threads in (1, 2):
+            with _threads(threads, always_split=True):
+                outs.append(fn(batch)[i])
+    return outs
+
+
+def _n_variants(outs: list[torch.Tensor]) -> int:
+    return sum(not torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_row_invariance_checker_catches_plain_matmul():
+    """The checker used below can fail: a plain fp32 ``x @ W.T`` changes row 0's bits with M (here)."""
+    g = _gen(7)
+    W = _randn(g, 64, 128)
+    x = _randn(g, 1, 128)
+    assert _n_variants(_row_variants(lambda b: b @ W.t(), x, g)) > 0
+    assert _n_variants(_row_variants(lambda b: linear(b, W), x, g)) == 0
+
+
+@SETTINGS
+@given(seed=seed_st, K=st.integers(1, 200), N=st.integers(1, 70), dtype=dtype_st, segs=st.sampled_from([1, 2]))
+def test_native_linear_row_invariant_batch_position_threads(seed, K, N, dtype, segs):
+    """Batch size, position, other rows' content, thread count 1 vs 2 (threads forced even for tiny
+    calls), decode (M = 1) vs prefill (M up to 65): the row's bits never change."""
+    K = K - K % segs or segs
+    g = _gen(seed)
+    W = _wide(g, N, K, dtype=dtype)
+    x = _wide(g, 1, K, dtype=dtype)
+    assert _n_variants(_row_variants(lambda b: linear(b, W, k_segments=segs), x, g)) == 0
+
+
+def test_native_linear_large_threaded_equals_single_thread():
+    """A call big enough for the compiled kernel's own thread split: 1 vs 2 threads, and each row
+    alone, give the same bits."""
+    g = _gen(8)
+    x, W = _randn(g, 300, 256), _randn(g, 520, 256)
+    with _threads(2):
+        two = linear(x, W)
+    with _threads(1):
+        one = linear(x, W)
+    assert torch.equal(one, two)
+    for m in (0, 17, 299):
+        assert torch.equal(linear(x[m : m + 1], W)[0], two[m])
+
+
+def _packed_case(g, seqs, Hq, Hkv, D, Dv, dtype, garbage: bool):
+    """A vLLM-like batch: sequence s has nk keys, its last nq tokens are queries. Key rows of the
+    packed K/V hold the sequences back to back; with garbage, each sequence is followed by rows of
+    huge values / inf the kernel must never read."""
+    qs, ks, vs, q_start, nq, key_start, pos = [], [], [], [], [], [], []
+    per_seq = []
+    t = kr = 0
+    for nk, n in seqs:
+        q, k, v = _attn_inputs(g, nk, Hq, Hkv, D, Dv, dtype)
+        per_seq.append((q, k, v, n))
+        qs.append(q[-n:]); ks.append(k); vs.append(v)
+        q_start.append(t); nq.append(n); key_start.append(kr); pos.append(torch.arange(nk - n, nk))
+        t += n
+        kr += nk
+        if garbage:
+            ks.append(torch.full((3, Hkv, D), float("inf")).to(dtype)); vs.append(torch.full((3, Hkv, Dv), 1e30).to(dtype))
+            kr += 3
+    return (torch.cat(qs), torch.cat(ks), torch.cat(vs), q_start, nq, key_start, torch.cat(pos)), per_seq
+
+
+@SETTINGS
+@given(seed=seed_st, dtype=dtype_st, seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=8),
+       shape=st.sampled_from([(4, 2, 32, 32), (2, 1, 24, 8), (3, 3, 17, 5), (8, 1, 96, 32)]), garbage=st.booleans(),
+       threads=st.sampled_from([1, 2]))
+def test_attention_packed_rows_equal_per_sequence_attention(seed, dtype, seqs, shape, garbage, threads):
+    """Many sequences in one call (prefill, chunk and decode queries mixed): every row equals the
+    per-sequence attention of the torch reference, whatever the other sequences, the thread count,
+    and the contents of key rows outside the sequence's causal prefix."""
+    Hq, Hkv, D, Dv = shape
+    g = _gen(seed)
+    seqs = [(nk, 1 + (n - 1) % nk) for nk, n in seqs]
+    args, per_seq = _packed_case(g, seqs, Hq, Hkv, D, Dv, dtype, garbage)
+    with _threads(threads, always_split=True):
+        out = attention_packed(*args, 0.125)
+    assert out.dtype == dtype
+    q_start, nq = args[3], args[4]
+    for (q, k, v, n), a in zip(per_seq, q_start):
+        nk = k.shape[0]
+        with _reference_only():
+            full = attention(q, k, v, torch.arange(nk), 0.125)
+        assert torch.equal(out[a : a + n], full[-n:])
+        # decode of the last token alone, through the compiled path
+        assert torch.equal(attention(q[-1:], k, v, torch.tensor([nk - 1]), 0.125), full[-1:])
+
+
+def test_causal_attention_native_equals_reference():
+    g = _gen(9)
+    q, k, v = (_randn(g, 3, 19, *s) for s in ((4, 16), (2, 16), (2, 8)))
+    fast = causal_attention(q, k, v, 0.2)
+    with _reference_only():
+        ref = causal_attention(q, k, v, 0.2)
+    assert torch.equal(fast, ref)
+
+
+def test_native_self_test_failure_falls_back_with_one_warning(monkeypatch):
+    """A CPU where the compiled kernels disagree with the reference: one warning, reference used."""
+    g = _gen(10)
+    x, W = _randn(g, 5, 48), _randn(g, 40, 48)
+    expected = linear(x, W)
+    monkeypatch.setattr(_native, "_STATE", None)
+    monkeypatch.setattr(_native, "_LIB", None)
+    monkeypatch.setattr(_native, "_self_test", lambda: "gemm M=1 N=1 K=3 (forced by the test)")
+    with pytest.warns(UserWarning, match="self-test failed") as rec:
+        assert not _native.available()
+        assert not _native.available()  # cached: no second test, no second warning
+    assert len(rec) == 1
+    assert "self-test failed" in _native.status()
+    assert torch.equal(linear(x, W), expected)  # the reference: the same bits
+
+
+def test_native_self_test_passes_here():
+    if not _native.available():
+        pytest.skip(_native.status())
+    assert _native._self_test() == ""

@@ -93,6 +93,11 @@ class RZAlignedAttentionImpl(CPUAttentionBackendImpl):
         out = output.view(output.shape[0], self.num_heads, -1)
         out.zero_()
         fn = self.rz_history_fn
+        if fn is None and query.device.type == "cpu":
+            self._forward_packed(query, kc, vc, bs, dv, qsl, seq_lens, attn_metadata.block_table, out)
+            if n_tok < out.shape[0]:
+                out[n_tok:] = 0
+            return output
         for i in range(num_reqs):
             a, b = qsl[i], qsl[i + 1]
             nq = b - a
@@ -115,6 +120,47 @@ class RZAlignedAttentionImpl(CPUAttentionBackendImpl):
             out[n_tok:] = 0
         return output
 
+
+    def _forward_packed(self, query, kc, vc, bs, dv, qsl, seq_lens, block_table, out) -> None:
+        """Every sequence of the batch in one ``kernels.attn.attention_packed`` call: each sequence's
+        keys/values 0..seq_len-1 gathered from its blocks (one indexed copy for the batch), its
+        queries at positions ``seq_len - n_query + j``. Row for row the bits of the per-sequence
+        ``kernels.attention`` call (the compiled CPU kernels, or that very call as the fallback)."""
+        from kernels.attn import attention_packed
+
+        num_reqs = len(qsl) - 1
+        q_start, nq, key_start, kept = [], [], [], []
+        k0 = 0
+        for i in range(num_reqs):
+            n = qsl[i + 1] - qsl[i]
+            if n <= 0:
+                continue
+            L = int(seq_lens[i])
+            q_start.append(qsl[i])
+            nq.append(n)
+            key_start.append(k0)
+            kept.append((i, L))
+            k0 += L
+        if not kept:
+            return
+        lens = torch.tensor([L for _, L in kept], dtype=torch.long)
+        rows = torch.tensor([i for i, _ in kept], dtype=torch.long)
+        seq_of_key = torch.repeat_interleave(torch.arange(len(kept)), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        j = torch.arange(k0) - starts[seq_of_key]
+        blk = block_table[rows[seq_of_key], torch.div(j, bs, rounding_mode="floor")].to(torch.long)
+        off = j % bs
+        k = kc[blk, :, off]  # [sum L, kv_heads, head]
+        v = vc[blk, :, off][..., :dv]
+        n_tok = qsl[-1]
+        pos = torch.zeros(n_tok, dtype=torch.long)
+        nq_t = torch.tensor(nq, dtype=torch.long)
+        qs_t = torch.tensor(q_start, dtype=torch.long)
+        seq_of_q = torch.repeat_interleave(torch.arange(len(kept)), nq_t)
+        owned = torch.repeat_interleave(qs_t, nq_t) + (torch.arange(int(nq_t.sum())) - (torch.cumsum(nq_t, 0) - nq_t)[seq_of_q])
+        pos[owned] = (lens - nq_t)[seq_of_q] + (owned - qs_t[seq_of_q])
+        o = attention_packed(query[:n_tok], k, v, q_start, nq, key_start, pos, self.scale, out_dtype=out.dtype)
+        out[:n_tok, :, :dv] = o
 
 class RZAlignedAttentionBackend(CPUAttentionBackend):
     forward_includes_kv_cache_update: bool = False
