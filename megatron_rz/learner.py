@@ -55,6 +55,7 @@ from megatron_rz import hf_convert
 from megatron_rz.model import build_gpt_model, init_parallel
 from megatron_rz.recipe import AlgoConfig, ModelConfig, ParallelConfig
 from kernels.sampling import truncation_active
+from vllm_bridge.transport import DEFAULT_BUCKET_BYTES
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -270,6 +271,22 @@ class Learner:
     def export_hf_weights(self):
         """Collective generator of (HF name, full tensor); see hf_convert.export_hf_weights."""
         return hf_convert.export_hf_weights(self.model, self.model_cfg)
+
+    def hf_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        """Collective generator of the weights as buckets ({HF name: tensor} of about
+        ``bucket_bytes``) for a WeightTransport (vllm_bridge.transport). Every rank must walk it to
+        the end in step (export_hf_weights gathers TP/EP shards inside the iteration); global
+        rank 0 yields the buckets, the other ranks yield nothing. No rank holds more than the
+        bucket being filled plus the tensor being gathered beyond its own shards (never a whole
+        model). Tensors are detached copies on the learner's device."""
+        from vllm_bridge.transport import iter_buckets
+
+        stream = self.export_hf_weights()
+        if dist.get_rank() != 0:
+            for _ in stream:
+                pass
+            return
+        yield from iter_buckets(stream, bucket_bytes, device=None)
 
     def hf_weights_on_rank0(self) -> dict | None:
         """Collective: every rank walks export_hf_weights (its gathers need all of them), but only

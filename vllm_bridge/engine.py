@@ -7,17 +7,17 @@
   function the learner calls.
 * score(): vLLM's own logprob of every token of given sequences (prompt logprobs), for weight-sync
   checks and learner/rollout parity.
-* update_weights(): full HF-named tensors pushed into the running engine in place.
+* apply_weights(): the one weight-staging protocol (abort -> stage buckets -> commit with one
+  in-place reload -> version -> prefix-cache reset) that every weight transport ends in
+  (vllm_bridge/transport.py: in-process, filesystem, NCCL); update_weights() pushes HF-named
+  tensors through it.
 
-Weight-sync path (why not vLLM's RL API): vLLM 0.32 has LLM.init_weight_transfer_engine /
-start_weight_update / update_weights / finish_weight_update (vllm/entrypoints/rl/) with pluggable
-backends, but every built-in backend (nccl, ipc, ...) is GPU-only, a custom backend needs a
-``weight_transfer_config`` plus a WeightTransferEngine subclass registered in every worker
-process, and its update still ends in the same layerwise reload (so it needs the same CPU MoE
-prepack fix). On one CPU host that buys nothing over a worker extension driven by
-``collective_rpc`` (safetensors bytes per ~64 MB bucket, staged, then one
-``Worker.reload_weights(weights_iterator=...)``), which is what this module does. A GPU
-deployment with a separate trainer should revisit the NCCL backend.
+In-place weights on CPU: vLLM 0.32's own RL API (LLM.init_weight_transfer_engine /
+start_weight_update / update_weights / finish_weight_update) has GPU-only backends (nccl, ipc,
+...), so the CPU transports stage safetensors buckets (bytes, or files the worker reads) through
+a worker extension driven by ``collective_rpc`` and apply them with one
+``Worker.reload_weights(weights_iterator=...)``; the NCCL transport drives vLLM's API itself and
+then calls set_weight_version().
 
 Must not import megatron: the worker extension and plugin run inside vLLM processes.
 """
@@ -37,10 +37,12 @@ from typing import Any
 import torch
 
 from vllm_bridge.samples import Sample
-from vllm_bridge.worker_ext import is_readable_name, tensor_bits, tensor_checksum
+from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, WeightSyncError, check_weights, iter_buckets, readable,
+                                   to_safetensors)
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
-DEFAULT_BUCKET_BYTES = 64 << 20
+_iter_buckets = iter_buckets  # the old name, for vllm_bridge.remote until it is replaced
+__all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES"]
 
 # Environment of a torchrun / SLURM learner process. vLLM's engine core and workers would read
 # these (torch.distributed env:// rendezvous, LOCAL_RANK for the device, ...) and try to join
@@ -57,10 +59,6 @@ DIST_ENV_VARS = (
 
 class RolloutEngineError(RuntimeError):
     """The rollout engine is unusable (engine-core process died, start-up failed, ...)."""
-
-
-class WeightSyncError(RuntimeError):
-    """The engine's weights do not match what the learner pushed."""
 
 
 @contextlib.contextmanager
@@ -192,24 +190,6 @@ def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[st
     env = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     kwargs = {"enforce_eager": True, "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
     return env, kwargs
-
-
-def _iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, t in named_tensors:
-        # safetensors needs contiguous CPU tensors that share no storage (tied embeddings).
-        t = t.detach().to("cpu").contiguous().clone()
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = t
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -430,7 +410,33 @@ class RolloutEngine:
         """PIDs of the engine-core processes (empty for an in-process engine core)."""
         return [p.pid for p in self._engine_processes() if p.pid is not None]
 
-    def _dead_reason(self) -> str | None:
+    def process_ids(self) -> list[tuple[int, str | None]]:
+        """(pid, start time) of every process this engine started (engine cores, then workers): what a
+        parent reaps if the process owning this engine dies without closing it (engine._reap)."""
+        cores = [(pid, _proc_start_time(pid)) for pid in self.engine_pids()]
+        return cores + list(self._worker_procs)
+
+    @property
+    def llm_engine(self):
+        """vLLM's LLMEngine under the offline LLM (add_request / step / abort: streaming.py)."""
+        if self.llm is None:
+            raise RolloutEngineError(f"RolloutEngine for {self.model_dir!r}: the engine was closed")
+        return self.llm.llm_engine
+
+    @contextlib.contextmanager
+    def paused(self):
+        """vLLM's scheduler paused at the next engine-step boundary with in-flight requests kept
+        resident (their KV cache too), resumed on exit: weights change between two engine steps."""
+        with self.guard("pause_scheduler"):
+            self.llm_engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        try:
+            yield
+        finally:
+            if self.dead_reason() is None:
+                with self.guard("resume_scheduler"):
+                    self.llm_engine.engine_core.call_utility("resume_scheduler")
+
+    def dead_reason(self) -> str | None:
         if self._closed or getattr(self, "llm", None) is None:
             return "the engine was closed"
         for p in self._engine_processes():
@@ -450,8 +456,10 @@ class RolloutEngine:
         )
 
     @contextlib.contextmanager
-    def _guard(self, what: str):
-        reason = self._dead_reason()
+    def guard(self, what: str):
+        """Context for one engine call: refuses when the engine is dead already; an error raised
+        inside it because the engine core died becomes RolloutEngineError naming the death."""
+        reason = self.dead_reason()
         if reason is not None:
             raise self._dead_error(reason)
         try:
@@ -461,7 +469,7 @@ class RolloutEngine:
         except Exception as e:
             from vllm.v1.engine.exceptions import EngineDeadError
 
-            reason = self._dead_reason()
+            reason = self.dead_reason()
             if reason is None and isinstance(e, EngineDeadError):
                 reason = "vLLM raised EngineDeadError"
             if reason is not None:
@@ -491,7 +499,7 @@ class RolloutEngine:
             t.join(poll_s)
             if not t.is_alive():
                 break
-            reason = self._dead_reason()
+            reason = self.dead_reason()
             if reason is not None:
                 raise self._dead_error(f"{reason} (during {what})")
         if "err" in box:
@@ -499,7 +507,7 @@ class RolloutEngine:
         return box["out"]
 
     def _rpc(self, method: str, *args: Any) -> list:
-        with self._guard(f"collective_rpc {method}"):
+        with self.guard(f"collective_rpc {method}"):
             return self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
 
     # ---- localisation (rz check) ----------------------------------------------------------------
@@ -566,7 +574,7 @@ class RolloutEngine:
                 )
             )
         version = self._version
-        with self._guard("generate"):
+        with self.guard("generate"):
             outs = self._watched(lambda: self.llm.generate(prompts, params, use_tqdm=False), "generate")
         samples: list[Sample] = []
         for i, out in enumerate(outs):
@@ -617,10 +625,10 @@ class RolloutEngine:
         if scaled:
             self._rpc("rz_set_logit_scale", 1.0 / float(temperature))
         try:
-            with self._guard("score"):
+            with self.guard("score"):
                 outs = self._watched(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "score")
         finally:
-            if scaled and self._dead_reason() is None:
+            if scaled and self.dead_reason() is None:
                 self._rpc("rz_reset_logit_scale")
         result: list[list[float | None]] = []
         for seq, out in zip(sequences, outs):
@@ -635,6 +643,51 @@ class RolloutEngine:
         return result
 
     # ---- weight sync ---------------------------------------------------------------------------
+    def apply_weights(self, payloads: Iterable[bytes | str], version: int, *, reload: bool = True) -> dict:
+        """The staging protocol, the only one: abort anything half-staged, stage every bucket
+        (safetensors bytes, or the path of a safetensors file the worker reads itself), commit them
+        with one in-place reload (a layer split over two reloads would be half empty: worker_ext),
+        then set the version (set_weight_version: label and prefix-cache reset). A failure aborts
+        the staged buckets (when the engine is still alive) and re-raises: the old weights and
+        version stay. ``reload=False`` is a test hook that transfers but never loads (a broken sync
+        verify_sync must catch). Returns sizes and timings (also kept in ``last_sync``)."""
+        t0 = time.perf_counter()
+        n_stage = n_bytes = 0
+        self._rpc("rz_abort_weights")
+        try:
+            for payload in payloads:
+                n_bytes += len(payload) if isinstance(payload, (bytes, bytearray)) else os.path.getsize(payload)
+                self._rpc("rz_stage_weights", payload if isinstance(payload, (bytes, bytearray)) else str(payload))
+                n_stage += 1
+            t1 = time.perf_counter()
+            info = self._rpc("rz_commit_weights", int(version), bool(reload))[0]
+        except BaseException:
+            if self.dead_reason() is None:
+                with contextlib.suppress(Exception):
+                    self._rpc("rz_abort_weights")
+            raise
+        self.set_weight_version(version)
+        self.last_sync = {
+            "version": int(version),
+            "num_tensors": info["num_tensors"],
+            "bytes": n_bytes,
+            "rpcs": n_stage + 2,
+            "transfer_s": t1 - t0,
+            "reload_s": info["reload_s"],
+            "total_s": time.perf_counter() - t0,
+        }
+        return dict(self.last_sync)
+
+    def set_weight_version(self, version: int) -> None:
+        """The end of every weight update: vLLM labels every later engine step's tokens with
+        ``version`` (Sample.versions, streaming.py), and the prefix cache is reset (its blocks were
+        computed with the old weights; with requests in flight it is best effort: vLLM keeps
+        blocks that are in use)."""
+        with self.guard("set_weight_version"):
+            self.llm_engine.set_weight_version(str(int(version)))
+            self.llm_engine.reset_prefix_cache()
+        self._version = int(version)
+
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -643,49 +696,19 @@ class RolloutEngine:
         verify: bool = False,
         _reload: bool = True,
     ) -> dict:
-        """Push full HF-named tensors into the running engine in place and set the version.
+        """Push HF-named tensors into the running engine in place (buckets of ~bucket_bytes as
+        safetensors bytes, apply_weights) and set the version. With verify=True the readable
+        parameters are checked afterwards (verify_sync). Returns timing info."""
+        check: dict[str, torch.Tensor] = {}
 
-        Tensors travel as safetensors bytes in buckets of ~bucket_bytes per RPC and are staged
-        in the worker; one reload applies them all (see worker_ext). The prefix cache is reset
-        (its KV blocks were computed with the old weights). With verify=True the readable
-        parameters are checked afterwards (verify_sync). ``_reload=False`` is a test hook that
-        transfers but never loads (a broken sync) -- verify_sync must catch it.
-        Returns timing info (also kept in ``last_sync``).
-        """
-        from safetensors.torch import save
+        def payloads():
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+                if verify:
+                    check.update(readable(bucket.items()))
+                yield to_safetensors(bucket)
 
         t0 = time.perf_counter()
-        check: dict[str, torch.Tensor] = {}
-        n_tensors = n_bytes = n_rpc = 0
-        self._rpc("rz_abort_weights")
-        try:
-            for bucket in _iter_buckets(named_tensors, self.bucket_bytes):
-                if verify:
-                    check.update({k: v for k, v in bucket.items() if is_readable_name(k)})
-                payload = save(bucket)
-                n_tensors += len(bucket)
-                n_bytes += len(payload)
-                self._rpc("rz_stage_weights", payload)
-                n_rpc += 1
-            t1 = time.perf_counter()
-            info = self._rpc("rz_commit_weights", int(version), bool(_reload))[0]
-        except BaseException:
-            if self._dead_reason() is None:
-                with contextlib.suppress(Exception):
-                    self._rpc("rz_abort_weights")
-            raise
-        with self._guard("reset_prefix_cache"):
-            self.llm.reset_prefix_cache()
-        self._version = int(version)
-        self.last_sync = {
-            "version": int(version),
-            "num_tensors": n_tensors,
-            "bytes": n_bytes,
-            "rpcs": n_rpc + 1,
-            "transfer_s": t1 - t0,
-            "reload_s": info["reload_s"],
-            "total_s": time.perf_counter() - t0,
-        }
+        self.apply_weights(payloads(), version, reload=_reload)
         if verify:
             self.verify_sync(check.items())
             self.last_sync["total_s"] = time.perf_counter() - t0
@@ -697,49 +720,9 @@ class RolloutEngine:
     def verify_sync(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, rtol: float = 1e-6, min_checked: int = 1
     ) -> dict:
-        """Check that the engine's readable parameters equal the learner's tensors.
-
-        Only parameters that stay in checkpoint layout after vLLM's CPU weight processing can be
-        read back (embeddings, norms, router gates, DeepSeek score bias; see worker_ext); other
-        names are ignored. Raises WeightSyncError on any mismatch, or when fewer than
-        ``min_checked`` tensors could be compared (a check that checks nothing is not a check).
-        Returns {"checked": [...], "max_rel_err": float}.
-        """
+        """Check that the engine's readable parameters equal the learner's tensors
+        (transport.check_weights, the one verification of every transport). Raises WeightSyncError
+        on any mismatch or when fewer than ``min_checked`` tensors could be compared.
+        Returns {"checked": [...], "max_rel_err": float}."""
         return check_weights(named_tensors, self.engine_checksums, self._version, rtol=rtol,
                              min_checked=min_checked)
-
-
-def check_weights(named_tensors, checksums, version: int, *, rtol: float = 1e-6, min_checked: int = 1) -> dict:
-    """verify_sync's comparison: the learner's readable tensors against an engine's checksums.
-
-    ``checksums`` is the engine's {name: {"shape", "dtype", "sum", "wsum"}} or a function of the
-    wanted names returning it (RolloutEngine.engine_checksums; the remote client passes a dict)."""
-    want = {n: t for n, t in named_tensors if is_readable_name(n)}
-    got = checksums(sorted(want)) if callable(checksums) else checksums
-    checked, bad, max_rel = [], [], 0.0
-    for name, t in want.items():
-        g = got.get(name)
-        if g is None or list(t.shape) != g["shape"]:
-            continue
-        same_dtype = t.to(getattr(torch, g["dtype"]))
-        s, ws = tensor_checksum(same_dtype)
-        scale = float(t.detach().double().abs().sum()) + 1e-12
-        err = max(abs(s - g["sum"]), abs(ws - g["wsum"])) / scale
-        max_rel = max(max_rel, err)
-        checked.append(name)
-        if not math.isfinite(err) or err > rtol:
-            bad.append(f"{name} (rel err {err:.3g})")
-        elif "bits" in g and tensor_bits(same_dtype) != g["bits"]:  # exact: any changed byte
-            bad.append(f"{name} (bytes differ; rel err only {err:.3g})")
-    if bad:
-        raise WeightSyncError(
-            f"engine weights differ from the learner's after sync to version {version}: "
-            f"{len(bad)}/{len(checked)} checked tensors mismatch: {', '.join(bad[:8])}. The "
-            "update did not reach the model (wrong names, dropped buckets, reload skipped)."
-        )
-    if len(checked) < min_checked:
-        raise WeightSyncError(
-            f"verify_sync could compare only {len(checked)} tensors (need {min_checked}); "
-            f"names given: {len(want)} readable of those passed"
-        )
-    return {"checked": checked, "max_rel_err": max_rel}

@@ -11,15 +11,15 @@ and the output processor turns the labels into ``CompletionOutput.weight_version
 (``WeightVersionSpan(version, start, end)``: output tokens [start, end) were sampled by the weights
 labelled ``version``). A swap is
 
-    pause_scheduler(mode="keep")   # engine core stops scheduling at the next step boundary;
+    with engine.paused():          # pause_scheduler(mode="keep") at the next step boundary:
                                    # in-flight requests stay resident with their KV cache
-    rz_stage_weights / rz_commit_weights (the RolloutEngine worker-extension path: safetensors
-                                   # bytes or a safetensors file path, one in-place reload)
-    set_weight_version(str(v))     # every later step is labelled v
-    reset_prefix_cache()           # best effort (only succeeds when no request holds blocks)
-    resume_scheduler()
+        engine.apply_weights(...)  # the engine's one staging protocol: abort, stage the
+                                   # buckets (bytes or bucket files), commit (one in-place
+                                   # reload), set_weight_version(v) (every later step is
+                                   # labelled v), prefix-cache reset (best effort)
+                                   # resume_scheduler() on leaving the block
 
-All five are engine-core utility calls, processed in order between two engine steps, and the
+All of these are engine-core utility calls, processed in order between two engine steps, and the
 scheduler schedules nothing while paused, so no step can run with the new weights under the old
 label (or the reverse): a token's version is exactly the version of the weights that sampled it.
 
@@ -48,8 +48,9 @@ from typing import Any, Iterable
 
 import torch
 
-from vllm_bridge.engine import RolloutEngine, RolloutEngineError, _iter_buckets
+from vllm_bridge.engine import RolloutEngine, RolloutEngineError
 from vllm_bridge.samples import Sample
+from vllm_bridge.transport import WeightUpdate, iter_buckets, to_safetensors
 
 
 @dataclass
@@ -117,16 +118,10 @@ class StreamingGenerator:
     # ---- helpers -------------------------------------------------------------------------------
     @property
     def _llm_engine(self):
-        if self.engine.llm is None:
-            raise RolloutEngineError("StreamingGenerator: the engine was closed")
-        return self.engine.llm.llm_engine
-
-    def _utility(self, method: str, *args):
-        with self.engine._guard(method):
-            return self._llm_engine.engine_core.call_utility(method, *args)
+        return self.engine.llm_engine
 
     def _label(self, version: int) -> None:
-        with self.engine._guard("set_weight_version"):
+        with self.engine.guard("set_weight_version"):
             self._llm_engine.set_weight_version(str(int(version)))
 
     @property
@@ -179,7 +174,7 @@ class StreamingGenerator:
                 **sampling_kwargs,
             )
             rid = f"rz-{next(self._ids)}"
-            with self.engine._guard("add_request"):
+            with self.engine.guard("add_request"):
                 self._llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(map(int, p))), sp)
             self._reqs[rid] = _Request(list(map(int, p)), n, tag, i, temperature, top_p, self.version, now)
             ids.append(rid)
@@ -192,7 +187,7 @@ class StreamingGenerator:
         """
         if not self._reqs:
             return []
-        with self.engine._guard("step"):
+        with self.engine.guard("step"):
             outs = self._llm_engine.step()
         done: list[FinishedGroup] = []
         for out in outs:
@@ -243,7 +238,7 @@ class StreamingGenerator:
 
     def abort_all(self) -> None:
         if self._reqs and self.engine.llm is not None:
-            with self.engine._guard("abort"):
+            with self.engine.guard("abort"):
                 self._llm_engine.abort_request(list(self._reqs))
         self._reqs.clear()
 
@@ -252,38 +247,30 @@ class StreamingGenerator:
         self,
         version: int,
         *,
-        path: str | Path | None = None,
+        update: WeightUpdate | None = None,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+        path: str | Path | None = None,
     ) -> dict:
         """Replace the weights in place between two engine steps; in-flight requests continue.
 
-        Give either ``path`` (a safetensors file with all HF-named tensors, staged by the worker
-        from disk) or ``named_tensors`` (sent as safetensors bytes in buckets, as
-        RolloutEngine.update_weights does). Returns timings (also appended to ``swaps``).
+        Give either ``update`` (a transport.WeightUpdate whose bucket files the worker stages from
+        disk: the filesystem transport) or ``named_tensors`` (sent as safetensors bytes in buckets,
+        as RolloutEngine.update_weights does); ``path``: one safetensors file holding them all.
+        Returns timings (also appended to ``swaps``).
         """
-        from safetensors.torch import save
-
-        if (path is None) == (named_tensors is None):
-            raise ValueError("swap_weights: give exactly one of path= or named_tensors=")
+        if path is not None and update is None:
+            update = WeightUpdate(int(version), [str(path)])
+        if (update is None) == (named_tensors is None):
+            raise ValueError("swap_weights: give exactly one of update=, path= or named_tensors=")
         eng = self.engine
         t0 = time.perf_counter()
-        self._utility("pause_scheduler", "keep", False)
-        t1 = time.perf_counter()
-        try:
-            eng._rpc("rz_abort_weights")
-            if path is not None:
-                eng._rpc("rz_stage_weights", str(path))
-            else:
-                for bucket in _iter_buckets(named_tensors, eng.bucket_bytes):
-                    eng._rpc("rz_stage_weights", save(bucket))
-            info = eng._rpc("rz_commit_weights", int(version), True)[0]
-            self._label(version)
-            eng._version = int(version)
-            with eng._guard("reset_prefix_cache"):
-                self._llm_engine.reset_prefix_cache()
-        finally:
-            if eng._dead_reason() is None:
-                self._utility("resume_scheduler")
+        if update is not None:
+            payloads = list(update.paths)
+        else:
+            payloads = (to_safetensors(b) for b in iter_buckets(named_tensors, eng.bucket_bytes))
+        with eng.paused():
+            t1 = time.perf_counter()
+            info = eng.apply_weights(payloads, version)
         rec = {
             "version": int(version),
             "pause_s": t1 - t0,

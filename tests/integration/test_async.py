@@ -86,15 +86,17 @@ def _env():
 
 
 def test_streaming_swap_mid_generation_records_two_versions(base_model):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from vllm_bridge.engine import RolloutEngine
     from vllm_bridge.streaming import StreamingGenerator
+    from vllm_bridge.transport import FilesystemTransport, iter_buckets
 
     sd = load_file(str(base_model / "model.safetensors"))
     new = {k: (v * 1.25 if k.endswith("norm.weight") else v) for k, v in sd.items()}
-    path = base_model.parent / "swap_v1.safetensors"
-    save_file(new, str(path))
+    # the filesystem transport's version directory, in many small buckets (one staged file each)
+    update = FilesystemTransport(base_model.parent / "swap").push(iter_buckets(new.items(), 1 << 16), 1)
+    assert len(update.paths) > 3
     with RolloutEngine(str(base_model), max_model_len=64, kv_cache_gb=0.25) as eng:
         gen = StreamingGenerator(eng)
         gen.submit([[5, 6, 7], [8, 9, 10, 11]], n=2, max_new_tokens=56, seed=3, ignore_eos=True, tag="long")
@@ -103,9 +105,10 @@ def test_streaming_swap_mid_generation_records_two_versions(base_model):
             done += gen.step()
             prog = [t for v in gen.progress().values() for t in v]
             if swap is None and len(prog) == 4 and min(prog) >= 2:
-                swap = gen.swap_weights(1, path=path)  # forced swap mid-generation
+                swap = gen.swap_weights(1, update=update)  # forced swap mid-generation
         assert swap is not None and swap["in_flight"] == 2
         assert eng.weight_version == 1
+        assert eng.verify_sync(update.named_tensors())["checked"]  # every bucket reached the model
         samples = [s for fg in done for s in fg.samples]
         assert len(samples) == 4
         for s in samples:

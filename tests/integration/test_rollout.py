@@ -259,6 +259,37 @@ def test_verify_sync_detects_sync_that_transferred_nothing(engine, qwen_ckpt):
     engine.update_weights(base.items(), version=4, verify=True)  # a real sync passes
 
 
+def test_transports_filesystem_and_in_process(engine, qwen_ckpt, tmp_path):
+    """Both CPU transports land a bucketed stream in the shared engine through its one staging
+    protocol, and the one verification (transport.check_weights) checks it; a failed push leaves
+    the old weights and version in place."""
+    from vllm_bridge.transport import FilesystemTransport, InProcessTransport, iter_buckets, verify_weights
+
+    seqs = [p + [30, 31, 40, 41, 2, 9, 17] for p in PROMPTS]
+    base = _state_dict(qwen_ckpt)
+    new_sd = _perturb(base, seed=2)
+    new_ref = _hf_logprobs(_hf_with_weights(qwen_ckpt, new_sd, tmp_path / "new"), seqs)
+
+    fs = FilesystemTransport(tmp_path / "weights")
+    update = fs.push(iter_buckets(new_sd.items(), 128 << 10), 10)  # several bucket files
+    assert len(update.paths) > 2 and not list((tmp_path / "weights").glob("*.tmp"))
+    assert fs.apply(update, engine)["num_tensors"] == len(new_sd) and engine.weight_version == 10
+    assert verify_weights(engine, update.named_tensors())["checked"]
+    assert _max_diff(engine.score(seqs), new_ref) < 1e-4
+    fs.release(update)
+    assert not (tmp_path / "weights" / "v000010").exists()
+
+    with pytest.raises(Exception):  # a bucket file vanished before the worker read it
+        engine.apply_weights([update.paths[0]], 11)
+    assert engine.weight_version == 10 and _max_diff(engine.score(seqs), new_ref) < 1e-4
+
+    info = InProcessTransport(engine).push(iter_buckets(base.items(), 128 << 10), 12).info
+    assert info["rpcs"] > 3 and engine.weight_version == 12
+    assert verify_weights(engine, base.items())["checked"]
+    with pytest.raises(WeightSyncError, match="differ"):
+        verify_weights(engine, new_sd.items())
+
+
 def test_deepseek_v3_mla_generate_and_sync(tmp_path):
     ckpt = _make_ckpt(tmp_path / "dsv3", DSV3)
     hf = _hf_model(ckpt)

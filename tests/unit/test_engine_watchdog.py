@@ -18,7 +18,7 @@ class _Eng:
     def __init__(self) -> None:
         self.dead = None
 
-    def _dead_reason(self):
+    def dead_reason(self):
         return self.dead
 
 
