@@ -52,6 +52,7 @@ class Module:
     imports: set[str] = field(default_factory=set)  # project modules and external top-level names
     private_uses: list[tuple[str, str]] = field(default_factory=list)  # (owner module, "line: use")
     private_defs: set[str] = field(default_factory=set)  # private names this module defines
+    tree: ast.AST | None = None
 
 
 def _module_name(path: Path) -> tuple[str, bool]:
@@ -108,7 +109,7 @@ def _script_sibling(mod: Module, name: str, modules: dict[str, Module]) -> str:
 
 
 def _scan(mod: Module, modules: dict[str, Module]) -> None:
-    tree = ast.parse(mod.path.read_text(), str(mod.path))
+    tree = mod.tree = ast.parse(mod.path.read_text(), str(mod.path))
     aliases: dict[str, str] = {}  # local name -> project module it is bound to
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -169,8 +170,7 @@ def object_private_uses(modules: dict[str, Module]) -> None:
     engine's ``_rpc``)."""
     edges = graph(modules)
     for mod in modules.values():
-        tree = ast.parse(mod.path.read_text(), str(mod.path))
-        for node in ast.walk(tree):
+        for node in ast.walk(mod.tree):
             if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
                 continue
             if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
