@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from ._common import tree_sum
+
 __all__ = ["available", "gemm", "attention_packed", "status", "disable"]
 
 _SRC = Path(__file__).with_name("_native.c")
@@ -233,11 +235,30 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start,
 # ------------------------------------------------------------------------------------ self-test
 
 
-def _self_test() -> str:
-    """Compare the compiled kernels with the torch reference bit for bit; '' when all agree."""
-    from . import attn as _attn
-    from . import gemm as _gemm
+def _ref_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The torch reference's arithmetic (kernels/gemm.py): every product, then tree_sum over K."""
+    return tree_sum(x.t()[:, :, None] * w.t()[:, None, :], dim=0)
 
+
+def _ref_attention(q, k, v, pos, scale):
+    """The torch reference's arithmetic (kernels/attn.py) for one sequence, fp32."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    G = Hq // Hkv
+    out = torch.empty(T, Hq, v.shape[-1])
+    for h in range(Hkv):
+        qh = q[:, h * G:(h + 1) * G].reshape(T * G, D)
+        s = tree_sum(qh.t()[:, :, None] * k[:, h].t()[:, None, :], dim=0) * scale
+        s = s.masked_fill(torch.arange(S)[None, :] > pos.repeat_interleave(G)[:, None], float("-inf"))
+        e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        acc = tree_sum(e.t()[:, :, None] * v[:, h][:, None, :], dim=0)
+        out[:, h * G:(h + 1) * G] = (acc / tree_sum(e, dim=-1, keepdim=True)).view(T, G, -1)
+    return out
+
+
+def _self_test() -> str:
+    """Compare the compiled kernels with the torch reference's arithmetic bit for bit; '' when all
+    agree. (tests/unit/test_kernels.py also compares them with kernels.gemm / kernels.attn.)"""
     g = torch.Generator().manual_seed(20261201)
 
     def rnd(*shape):
@@ -247,15 +268,14 @@ def _self_test() -> str:
     for K in (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 33, 63, 64, 100, 129, 257, 1000):
         for M, N in ((1, 1), (3, 17), (6, 33)):
             x, w = rnd(M, K), rnd(N, K)
-            ref = _gemm._partial_fp32_torch(x, w)
-            if not torch.equal(gemm(x, w), ref):
+            if not torch.equal(gemm(x, w), _ref_gemm(x, w)):
                 return f"gemm M={M} N={N} K={K}"
     x, w = rnd(70, 48), rnd(40, 96)
-    if not torch.equal(gemm(x, w[:, ::2]), _gemm._partial_fp32_torch(x, w[:, ::2])):
+    if not torch.equal(gemm(x, w[:, ::2]), _ref_gemm(x, w[:, ::2])):
         return "gemm strided weight"
-    if not torch.equal(gemm(x, w.t().contiguous().t()[:, :48]), _gemm._partial_fp32_torch(x, w[:, :48])):
+    if not torch.equal(gemm(x, w.t().contiguous().t()[:, :48]), _ref_gemm(x, w[:, :48])):
         return "gemm transposed weight"
-    # attention: 3 sequences, GQA 2, D != Dv, prefill / chunk / decode query sets
+    # attention: 3 sequences, GQA, D != Dv, prefill / chunk / decode query sets
     for D, Dv, Hq, Hkv in ((8, 8, 4, 2), (24, 16, 2, 1), (17, 5, 3, 3)):
         lens, nqs = [13, 1, 40], [13, 1, 7]
         k = torch.randn(sum(lens), Hkv, D, generator=g)
@@ -267,8 +287,7 @@ def _self_test() -> str:
         out = attention_packed(q, k, v, qs, nqs, ks, pos, 0.3)
         for i in range(3):
             a, b = qs[i], qs[i] + nqs[i]
-            ref = _attn._attention_fwd_torch(q[a:b], k[ks[i]:ks[i] + lens[i]], v[ks[i]:ks[i] + lens[i]], pos[a:b],
-                                             0.3, torch.float32)
+            ref = _ref_attention(q[a:b], k[ks[i]:ks[i] + lens[i]], v[ks[i]:ks[i] + lens[i]], pos[a:b], 0.3)
             if not torch.equal(out[a:b], ref):
                 return f"attention D={D} Dv={Dv} Hq={Hq} Hkv={Hkv} seq {i}"
     return ""
