@@ -683,9 +683,10 @@ class RolloutEngine:
         ``version`` (Sample.versions, streaming.py), and the prefix cache is reset (its blocks were
         computed with the old weights; with requests in flight it is best effort: vLLM keeps
         blocks that are in use)."""
+        from vllm_bridge import vllm_compat
+
         with self.guard("set_weight_version"):
-            self.llm_engine.set_weight_version(str(int(version)))
-            self.llm_engine.reset_prefix_cache()
+            vllm_compat.set_weight_version(self.llm_engine, version)  # 0.26 cannot label (vllm_compat item 4)
         self._version = int(version)
 
     def update_weights(

@@ -21,6 +21,11 @@ What differs, and why:
    on CPU that equals ``kernels.logprobs_from_logits`` bit for bit, on CUDA it does not (the
    learner's Triton log-softmax reduces in another order), so on CUDA the aligned model classes
    switch the sampler to ``kernels.log_softmax`` (``vllm_bridge.vllm_patches.use_kernels_log_softmax``).
+4. *Weight versions.* vLLM 0.32's engine labels every step's output with a weight version
+   (``LLMEngine.set_weight_version``, the per-token ``Sample.versions`` of streaming.py); 0.26 has
+   no such call. ``set_weight_version`` labels where the engine can and otherwise only resets the
+   prefix cache: on 0.26 the engine's version is the one RolloutEngine records, and the in-flight
+   swap of streaming.py (which needs per-step labels) is not available.
 
 Nothing here imports CUDA-only or CPU-only vLLM modules at import time.
 """
@@ -29,11 +34,24 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_cuda", "vllm_version", "aligned_attention_backend", "aligned_backend_path",
+__all__ = ["is_cuda", "can_label_weight_versions", "set_weight_version", "vllm_version", "aligned_attention_backend", "aligned_backend_path",
            "aligned_engine_kwargs"]
 
 CPU_BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
 CUDA_BACKEND_PATH = "vllm_bridge.aligned.cuda_attention.RZAlignedCudaAttentionBackend"
+
+
+def can_label_weight_versions(llm_engine) -> bool:
+    """Does this vLLM label engine steps with a weight version (0.32: yes; 0.26: no)?"""
+    return hasattr(llm_engine, "set_weight_version")
+
+
+def set_weight_version(llm_engine, version: int) -> None:
+    """Label every later engine step with ``version`` where vLLM can (item 4), and reset the prefix
+    cache (its blocks were computed with the old weights)."""
+    if can_label_weight_versions(llm_engine):
+        llm_engine.set_weight_version(str(int(version)))
+    llm_engine.reset_prefix_cache()
 
 
 def vllm_version() -> str:
