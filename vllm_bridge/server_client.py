@@ -120,7 +120,9 @@ def connect(run_dir: str | os.PathLike, *, servers: list[str] | list[Server] | N
             time.sleep(1.0)
         servers = found
     recs = [s if isinstance(s, Server) else Server(str(s).split("//", 1)[-1], str(s).rstrip("/")) for s in servers]
-    return RolloutClient(recs, read_key(run_dir), weights_dir=Path(run_dir) / WEIGHTS_DIR, **kw)
+    client = RolloutClient(recs, read_key(run_dir), weights_dir=Path(run_dir) / WEIGHTS_DIR, **kw)
+    print(f"[rz] rollout on {len(recs)} vLLM server(s): " + ", ".join(f"{s.node} ({s.url})" for s in recs), flush=True)
+    return client
 
 
 class _Http:
@@ -172,13 +174,14 @@ class RolloutClient:
 
     def __init__(self, servers: list[Server], key: str, *, weights_dir: str | os.PathLike | None = None,
                  call_timeout_s: float = 3600.0, health_every_s: float = 5.0, dead_after_s: float = 30.0,
-                 concurrency: int = 64, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 concurrency: int = 64, bucket_bytes: int = DEFAULT_BUCKET_BYTES, log_updates: bool = True):
         if not servers:
             raise RolloutEngineError("RolloutClient needs at least one rollout server")
         self._servers = [_Http(s, key) for s in servers]
         self.weights_dir = None if weights_dir is None else Path(weights_dir)
         self.call_timeout_s, self.health_every_s, self.dead_after_s = call_timeout_s, health_every_s, dead_after_s
         self.bucket_bytes = int(bucket_bytes)
+        self.log_updates = log_updates
         self._pool = ThreadPoolExecutor(max_workers=max(4, concurrency * len(servers)), thread_name_prefix="rz-http")
         self._version = 0
         self._closed = False
@@ -362,6 +365,9 @@ class RolloutClient:
         self.last_sync = {"version": int(version), "buckets": len(paths), "servers": len(self._servers),
                           "reload_s": max(float(i.get("reload_s", 0.0)) for i in infos),
                           "total_s": time.perf_counter() - t0}
+        if self.log_updates:
+            print(f"[rz] weights version {int(version)} on {', '.join(self.nodes)}: {len(paths)} bucket file(s), "
+                  f"{self.last_sync['total_s']:.2f} s", flush=True)
         return dict(self.last_sync)
 
     def set_weight_version(self, version: int) -> None:
@@ -409,11 +415,13 @@ class RolloutClient:
         named = [(n, t) for n, t in named_tensors if is_readable_name(n)]
         names = sorted({n for n, _ in named})
         result: dict = {}
-        for s, got in zip(self._servers, self._all(lambda s: s.rpc("rz_checksums", names)[0], "engine_checksums")):
-            try:
-                result = check_weights(named, got, self._version, rtol=rtol, min_checked=min_checked)
-            except Exception as e:
-                raise type(e)(f"rollout server on node {s.node}: {e}") from None
+        for s, workers in zip(self._servers, self._all(lambda s: s.rpc("rz_checksums", names), "engine_checksums")):
+            for w, got in enumerate(workers):  # every worker (tensor-parallel ranks hold their own copy)
+                try:
+                    r = check_weights(named, got, self._version, rtol=rtol, min_checked=min_checked if w == 0 else 0)
+                except Exception as e:
+                    raise type(e)(f"rollout server on node {s.node} (worker {w}): {e}") from None
+                result = result or r
         return result
 
     # ---- lifecycle ----------------------------------------------------------------------------------

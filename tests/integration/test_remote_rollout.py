@@ -164,7 +164,7 @@ def test_weight_update_then_bitwise_again_and_checksums_verified(setup):
     assert _same(a, b) and all(v == 1 for s in a for v in s.versions)
     assert client.verify_sync(new.items())["checked"]
     assert client.engine_checksums() == engine.engine_checksums()
-    with pytest.raises(WeightSyncError, match="rollout server on node nodeA"):
+    with pytest.raises(WeightSyncError, match="rollout server on node nodeA \\(worker 0\\)"):
         client.verify_sync(old.items())
     # a transfer that never loads (test hook) is caught by the verification
     newer = {k: v * 1.1 if v.is_floating_point() else v for k, v in new.items()}
@@ -224,3 +224,55 @@ def test_stopped_then_killed_server_is_named_within_60_s(setup):
     killed_s = time.perf_counter() - t0
     assert killed_s < 60
     print(f"\nstopped server named after {stopped_s:.1f} s, killed one after {killed_s:.1f} s")
+
+
+def test_engine_wider_than_a_node_is_vllm_multinode_and_bitwise_equal(setup, tmp_path):
+    """tensor_parallel_size 2 over two "nodes" (two processes, one CPU each), as rz submit starts an
+    engine wider than a node: `vllm serve --nnodes 2 --node-rank 0` serves, `--node-rank 1 --headless`
+    runs the second worker. The aligned class shards bitwise: samples equal the TP-1 in-process
+    engine's, before and after a weight update that reaches both workers."""
+    from safetensors.torch import load_file
+
+    for p in setup["procs"].values():  # the first two servers are done: free the CPUs
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    engine = setup["engine"]
+    base = load_file(str(setup["ckpt"] / "model.safetensors"))
+    engine.update_weights(base.items(), version=0)
+    port, master = _free_port(), _free_port()
+    rec = tmp_path / "servers" / "tp.json"
+    common = [sys.executable, "-m", "vllm_bridge.serve", str(setup["ckpt"]), "--key-file", str(setup["key"]),
+              "--engine-args", json.dumps({**ENGINE, "tensor_parallel_size": 2}), "--nnodes", "2",
+              "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    procs = []
+    try:
+        for rank, extra in enumerate((["--host", "127.0.0.1", "--port", str(port), "--node", "tp", "--record", str(rec)], [])):
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_OMP_THREADS_BIND": str(rank)}
+            procs.append(subprocess.Popen([*common, "--node-rank", str(rank), *extra], cwd=ROOT, env=env,
+                                          stdout=open(tmp_path / f"tp{rank}.log", "w"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 240
+        while not rec.exists():
+            assert all(p.poll() is None for p in procs), (tmp_path / "tp0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(1)
+        client = RolloutClient([Server("tp", json.loads(rec.read_text())["url"])], setup["key"].read_text().strip(),
+                               weights_dir=tmp_path / "weights")
+        assert len(client._servers[0].rpc("rz_pid")) == 2  # two workers, one per "node"
+        assert _same(client.generate(PROMPTS, 2, max_new_tokens=8, seed=3), engine.generate(PROMPTS, 2, max_new_tokens=8, seed=3))
+        new = {k: v * 1.25 if v.is_floating_point() else v for k, v in base.items()}
+        client.update_weights(new.items(), version=1, verify=True)
+        engine.update_weights(new.items(), version=1)
+        a = client.generate(PROMPTS, 2, max_new_tokens=8, seed=3)
+        assert _same(a, engine.generate(PROMPTS, 2, max_new_tokens=8, seed=3)) and all(s.versions == [1] * len(s.versions) for s in a)
+        assert "headless" in (tmp_path / "tp1.log").read_text()
+        client.close()
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
