@@ -85,3 +85,35 @@ def check_pretrained(recipe: Recipe) -> Path:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise RecipeError(f"model.pretrained={raw!r}: {path} has no tokenizer files; {fix}")
     return path
+
+
+def weights_hash(model_dir: str | Path) -> str:
+    """sha256 (16 hex digits) of a checkpoint's tensors: names, dtypes, shapes and raw bytes, in name
+    order, over every ``*.safetensors`` file of ``model_dir`` (file metadata and sharding excluded).
+    Two base models with the same hash are the same weights bit for bit."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                tensors[name] = st.get_tensor(name)
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+if __name__ == "__main__":  # python -m megatron_rz.pretrained DIR...: print each base model's weights hash
+    import sys
+
+    for d in sys.argv[1:]:
+        print(f"{weights_hash(d)}  {d}")
