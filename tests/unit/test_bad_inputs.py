@@ -67,6 +67,8 @@ CASES = [
     (["train", TINY, "rollout.max_new_tokens=0"], ["rollout.max_new_tokens=0", ">= 1"]),
     (["validate", TINY, "rollout.kv_cache_gb=0"], ["rollout.kv_cache_gb=0", "> 0"]),
     (["validate", TINY, "rollout.samples_per_prompt=1"], ["samples_per_prompt", "group"]),
+    (["validate", TINY, "rollout.where=remote"], ["rollout.where='remote'", "'local' or 'servers'"]),
+    (["validate", TINY, "rollout.server_dead_after_s=90"], ["rollout.server_dead_after_s", "within 60 s"]),
     (["train", TINY, "model.hidden_size=0"], ["model.hidden_size=0", ">= 1"]),
     (["validate", TINY, "model.num_layers=-2"], ["model.num_layers=-2"]),
     (["validate", TINY, "algo.micro_batch_size=0"], ["algo.micro_batch_size=0"]),
