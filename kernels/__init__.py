@@ -41,6 +41,8 @@ _EXPORTS = {
     "masked_logits": "sampling",
     "SamplingParams": "sampling",
     "truncation_active": "sampling",
+    "untruncated": "sampling",
+    "row_temperature_supported": "dispatch",
     "quantize_act_groupwise": "dispatch",
     "fp8_gemm": "dispatch",
     "fp8_linear": "dispatch",

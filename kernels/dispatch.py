@@ -342,6 +342,14 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
                                lambda l_: _lp.logprobs_from_logits(l_, targets, temperature), logits)
 
 
+def row_temperature_supported(logits: torch.Tensor) -> bool:
+    """Can :func:`log_softmax` / :func:`logprobs_from_logits` take one temperature per row (an fp32
+    tensor) with the bits of the float path? On the Triton path yes (the kernels load the row's
+    value and divide with ``div_rn``); on the CPU no (torch's scalar and tensor divisions are
+    different kernels), so callers group rows by temperature there."""
+    return use_triton(logits) and logits.dtype in _GPU_DTYPES
+
+
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 log-probabilities of every column, ``log_softmax(logits.float() / T)``; element [r, t]
     is bitwise :func:`logprobs_from_logits` of target t (CPU: torch's log_softmax; CUDA: the Triton

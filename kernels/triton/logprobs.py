@@ -14,7 +14,7 @@ agreement with it is ~1e-6 relative.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -51,10 +51,21 @@ BLOCK = 2048  # columns per chunk inside a piece (a multiple of it divides PIECE
 
 
 @triton.jit
-def _piece_stats_kernel(logits_ptr, stats_ptr, V, stride_row, n_pieces, temperature,
-                        PIECE: tl.constexpr, BLOCK: tl.constexpr):
+def _row_temperature(temperature, temp_ptr, row, ROW_T: tl.constexpr):
+    """The row's temperature: the scalar argument, or element ``row`` of an fp32 tensor (the same
+    fp32 value gives the same ``div_rn`` bits either way)."""
+    if ROW_T:
+        return tl.load(temp_ptr + row)
+    else:
+        return temperature
+
+
+@triton.jit
+def _piece_stats_kernel(logits_ptr, stats_ptr, V, stride_row, n_pieces, temperature, temp_ptr,
+                        PIECE: tl.constexpr, BLOCK: tl.constexpr, ROW_T: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
+    temperature = _row_temperature(temperature, temp_ptr, row, ROW_T)
     base = logits_ptr + row * stride_row
     start = p * PIECE
     offs = tl.arange(0, BLOCK)
@@ -96,9 +107,10 @@ def _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pieces, temperature,
-                  NP_BLOCK: tl.constexpr):
+def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pieces, temperature, temp_ptr,
+                  NP_BLOCK: tl.constexpr, ROW_T: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    temperature = _row_temperature(temperature, temp_ptr, row, ROW_T)
     M, S = _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK)
     t = tl.load(targets_ptr + row)
     zt = tl.load(logits_ptr + row * stride_row + t).to(tl.float32)
@@ -106,35 +118,57 @@ def _merge_kernel(logits_ptr, stats_ptr, targets_ptr, out_ptr, stride_row, n_pie
     tl.store(out_ptr + row, (zt - M) - _log(S))
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """fp32 log-prob of ``targets[...]`` under ``softmax(logits.float() / temperature)``."""
+Temperature = Union[float, torch.Tensor]
+
+
+def _temperature_args(temperature: Temperature, rows: int, device) -> tuple[float, torch.Tensor, bool]:
+    """(scalar, per-row fp32 tensor, per-row?) kernel arguments. A tensor gives one temperature per
+    row (``[rows]``, on the logits' device; no host sync: the caller guarantees ``> 0``)."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+        if t.numel() != rows:
+            raise ValueError(f"per-row temperature of {t.numel()} values for {rows} rows")
+        return 1.0, t, True
+    if not temperature > 0:
+        raise ValueError("temperature must be > 0")
+    return float(temperature), _dummy(device), False
+
+
+def _dummy(device) -> torch.Tensor:
+    return torch.empty(1, device=device, dtype=torch.float32)
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
+    """fp32 log-prob of ``targets[...]`` under ``softmax(logits.float() / temperature)``;
+    ``temperature`` a float or an fp32 tensor with one value per row (bitwise the float path for
+    rows of that value)."""
     t = targets.reshape(-1).to(torch.int64).contiguous()
-    l2, stats = _piece_stats(logits, temperature)
+    l2, stats, (temp, temp_rows, row_t) = _piece_stats(logits, temperature)
     out = torch.empty(l2.shape[0], device=logits.device, dtype=torch.float32)
     if stats is None:
         return out.reshape(targets.shape)
     n_pieces = stats.shape[1]
-    _merge_kernel[(l2.shape[0],)](l2, stats, t, out, l2.stride(0), n_pieces, float(temperature),
-                                  NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
+    _merge_kernel[(l2.shape[0],)](l2, stats, t, out, l2.stride(0), n_pieces, temp, temp_rows,
+                                  NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), ROW_T=row_t, num_warps=1)
     return out.reshape(targets.shape)
 
 
-def _piece_stats(logits: torch.Tensor, temperature: float):
-    """(rows [R, V] with a unit column stride, piece stats [R, n_pieces, 2]; None when R == 0)."""
-    if not temperature > 0:
-        raise ValueError("temperature must be > 0")
+def _piece_stats(logits: torch.Tensor, temperature: Temperature):
+    """(rows [R, V] with a unit column stride, piece stats [R, n_pieces, 2] (None when R == 0),
+    the temperature's kernel arguments)."""
     V = logits.shape[-1]
     l2 = logits.reshape(-1, V)
     if l2.stride(-1) != 1:
         l2 = l2.contiguous()
     R = l2.shape[0]
+    targs = _temperature_args(temperature, R, logits.device)
     if R == 0:
-        return l2, None
+        return l2, None, targs
     n_pieces = triton.cdiv(V, PIECE)
     stats = torch.empty(R, n_pieces, 2, device=logits.device, dtype=torch.float32)
-    _piece_stats_kernel[(R, n_pieces)](l2, stats, V, l2.stride(0), n_pieces, float(temperature),
-                                       PIECE=PIECE, BLOCK=BLOCK, num_warps=8)
-    return l2, stats
+    _piece_stats_kernel[(R, n_pieces)](l2, stats, V, l2.stride(0), n_pieces, targs[0], targs[1],
+                                       PIECE=PIECE, BLOCK=BLOCK, ROW_T=targs[2], num_warps=8)
+    return l2, stats, targs
 
 
 @triton.jit
@@ -147,8 +181,10 @@ def _row_lse_kernel(stats_ptr, lse_ptr, n_pieces, NP_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rows_out_kernel(logits_ptr, lse_ptr, out_ptr, V, stride_row, stride_out, temperature, BLOCK: tl.constexpr):
+def _rows_out_kernel(logits_ptr, lse_ptr, out_ptr, V, stride_row, stride_out, temperature, temp_ptr,
+                     BLOCK: tl.constexpr, ROW_T: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    temperature = _row_temperature(temperature, temp_ptr, row, ROW_T)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     msk = cols < V
     M = tl.load(lse_ptr + row * 2)
@@ -158,11 +194,11 @@ def _rows_out_kernel(logits_ptr, lse_ptr, out_ptr, V, stride_row, stride_out, te
     tl.store(out_ptr + row * stride_out + cols, (z - M) - logS, mask=msk)
 
 
-def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
     """fp32 ``log_softmax(logits.float() / temperature)`` of every column, ``[..., V]``: element
     ``[r, t]`` is bitwise :func:`logprobs_from_logits` of target t in row r (same piece stats, same
     merge, same final ``(z - M) - log S``). What the aligned engine's sampler reports on the GPU."""
-    l2, stats = _piece_stats(logits, temperature)
+    l2, stats, (temp, temp_rows, row_t) = _piece_stats(logits, temperature)
     R, V = l2.shape
     out = torch.empty(R, V, device=logits.device, dtype=torch.float32)
     if stats is None:
@@ -170,8 +206,8 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     n_pieces = stats.shape[1]
     lse = torch.empty(R, 2, device=logits.device, dtype=torch.float32)
     _row_lse_kernel[(R,)](stats, lse, n_pieces, NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
-    _rows_out_kernel[(R, triton.cdiv(V, BLOCK))](l2, lse, out, V, l2.stride(0), out.stride(0), float(temperature),
-                                                  BLOCK=BLOCK, num_warps=4)
+    _rows_out_kernel[(R, triton.cdiv(V, BLOCK))](l2, lse, out, V, l2.stride(0), out.stride(0), temp, temp_rows,
+                                                  BLOCK=BLOCK, ROW_T=row_t, num_warps=4)
     return out.reshape(logits.shape)
 
 

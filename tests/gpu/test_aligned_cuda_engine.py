@@ -104,6 +104,29 @@ def test_log_softmax_rows_equal_token_logprobs():
     assert (full - torch.log_softmax(x, -1)).abs().max() < 1e-4
 
 
+def test_per_row_temperature_equals_float_temperature():
+    """The aligned sampler's sync-free path passes one temperature per row (a tensor); each row must
+    get the bits of the learner's float temperature, in log_softmax, the token logprob and the draw
+    logits (kernels.untruncated == masked_logits / processed_logprobs / sampled_logprobs)."""
+    need_cuda()
+    import kernels
+
+    x = randn(12, 151936, dtype=torch.float32, seed=6, scale=4.0)
+    t = torch.randint(0, x.shape[1], (12,), device="cuda")
+    temps = [1.0, 0.7, 1.3, 0.6] * 3
+    T = torch.tensor(temps, device="cuda", dtype=torch.float32)
+    full = kernels.log_softmax(x, T)
+    draw, lp = kernels.untruncated(x, T)
+    assert torch.equal(lp, full)
+    for r, tr in enumerate(temps):
+        assert torch.equal(full[r], kernels.log_softmax(x[r:r + 1], tr)[0])
+        assert torch.equal(kernels.logprobs_from_logits(x, t, T)[r], kernels.logprobs_from_logits(x[r:r + 1], t[r:r + 1], tr)[0])
+        assert torch.equal(draw[r], kernels.masked_logits(x[r:r + 1], tr)[0])
+    assert torch.equal(full.gather(1, t[:, None]).squeeze(1), kernels.sampled_logprobs(x, t, T))
+    assert torch.equal(lp, kernels.processed_logprobs(x, T))
+    assert not torch.equal(full[1], kernels.log_softmax(x[1:2], 1.0)[0])  # the temperature is applied
+
+
 def _have_cuda_vllm() -> bool:
     try:
         import vllm  # noqa: F401
