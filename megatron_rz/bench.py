@@ -8,6 +8,7 @@ that counts is the ratio of medians measured in the same run, never an absolute 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
@@ -37,7 +38,11 @@ def bench_rollout(recipe: Recipe, rounds: int = 5) -> dict:
         for s in sides.values():
             s.engine.close()
     med = {m: statistics.median(v) for m, v in times.items()}
+    ratios = sorted(a / f for a, f in zip(times["aligned"], times["fast"]))  # per round (same order pair)
     return {
+        "aligned_over_fast_per_round": [round(r, 3) for r in ratios],
+        "cpu_kernels": _cpu_kernels(),
+        "load_average": list(os.getloadavg()),
         "arch": recipe.model.arch,
         "dtype": recipe.model.dtype,
         "prompts": len(problems),
@@ -49,9 +54,16 @@ def bench_rollout(recipe: Recipe, rounds: int = 5) -> dict:
     }
 
 
+def _cpu_kernels() -> str:
+    """Which exact CPU kernels the aligned side ran: the compiled ones or the torch reference."""
+    from kernels import _native
+
+    return "compiled (kernels/_native.c)" if _native.available() else f"torch reference: {_native.status()}"
+
+
 def main_bench(recipe: Recipe, what: str, rounds: int) -> int:
     if what == "async":
-        from megatron_rz.async_trainer import bench_async_vs_sync
+        from megatron_rz.trainer import bench_async_vs_sync
 
         print(json.dumps(bench_async_vs_sync(recipe, recipe.schedule.steps)))
         return 0

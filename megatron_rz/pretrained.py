@@ -112,8 +112,25 @@ def weights_hash(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-if __name__ == "__main__":  # python -m megatron_rz.pretrained DIR...: print each base model's weights hash
+def main(argv: list[str]) -> int:
+    """``python -m megatron_rz.pretrained DIR...`` prints each checkpoint's weights hash;
+    ``--recipe RECIPE [overrides...]``: those of the base model(s) in the recipe's run dir."""
+    if argv[:1] == ["--recipe"]:
+        from megatron_rz.recipe import load_recipe
+
+        run_dir = load_recipe(argv[1], argv[2:]).run_dir
+        dirs = sorted(p for p in run_dir.glob("base_model*") if p.is_dir() and not p.name.startswith("."))
+        if not dirs:
+            print(f"no base model in {run_dir}")
+            return 1
+    else:
+        dirs = [Path(d) for d in argv]
+    for d in dirs:
+        print(f"base model weights sha256 {weights_hash(d)}  {d}")
+    return 0
+
+
+if __name__ == "__main__":
     import sys
 
-    for d in sys.argv[1:]:
-        print(f"{weights_hash(d)}  {d}")
+    sys.exit(main(sys.argv[1:]))
