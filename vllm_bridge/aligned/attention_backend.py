@@ -11,10 +11,14 @@ metadata builder (query_start_loc, seq_lens, block_table, slot_mapping), and
 :meth:`forward`. The differences:
 
 * ``do_kv_cache_update`` is a plain indexed copy (exact), skipping slots < 0 (padding);
-* ``forward`` gathers each sequence's keys/values 0..seq_len-1 from its blocks and calls
-  ``kernels.attention`` for that sequence's queries, at positions ``seq_len - n_query + j``
-  (prefill, chunked prefill and decode alike). ``kernels.attention`` reduces with zero-extension
-  invariant trees, so a query's bits do not depend on how many keys follow it or on the batch;
+* ``forward`` gathers every sequence's keys/values 0..seq_len-1 from its blocks (one indexed copy
+  for the whole batch) and makes ONE ``kernels.attn.attention_packed`` call for all sequences'
+  queries, at positions ``seq_len - n_query + j`` (prefill, chunked prefill and decode alike). Row
+  for row that is the bits of ``kernels.attention`` called per sequence (the compiled CPU kernels
+  of ``kernels/_native.c``, or exactly that per-sequence call where they are unavailable); it
+  reduces with zero-extension invariant trees, so a query's bits do not depend on how many keys
+  follow it or on the batch. (The per-sequence loop remains for ``rz_history_fn`` and non-CPU
+  tensors.)
 * the profiling run (``attn_metadata is None``) writes zeros.
 
 Value head size: vLLM's CPU KV cache stores K and V with one head size. DeepSeek-V3 MLA computed in
