@@ -11,8 +11,10 @@ Per job: the log is <log_dir>/<job name>-<job id>.out (appended across requeues)
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,14 +61,15 @@ def _abs(path: str, workdir: Path) -> Path:
 
 
 def rollout_tasks(recipe: Recipe) -> dict:
-    """How the rollout component's processes map onto engines (one rollout host per process).
+    """How the rollout component's processes map onto engines (one `vllm serve` per process).
 
-    tasks_per_node  rollout hosts per node: GPUs per node / tensor_parallel_size when an engine
-                    is smaller than a node (each host sees only its engine's GPUs), else 1
+    tasks_per_node  servers per node: GPUs per node / tensor_parallel_size when an engine is
+                    smaller than a node (each server sees only its engine's GPUs), else 1
     engine_nodes    nodes per engine: tensor_parallel_size / GPUs per node when an engine is wider
-                    than a node (the first node's host serves it, the others run its workers)
-    hosts           rollout hosts that serve an engine to the learner
-    procs           rollout host processes in all"""
+                    than a node (the first node's server serves it, the others run its workers:
+                    vLLM's multi-node mode, `vllm serve --nnodes K --node-rank R --headless`)
+    hosts           servers that serve an engine to the learner
+    procs           rollout processes in all"""
     c, r = recipe.cluster, recipe.rollout
     gpn, tp = c.rollout.gpus_per_node, r.tensor_parallel_size
     tasks = gpn // tp if gpn and tp < gpn else 1
@@ -99,12 +102,12 @@ def _group_sbatch(recipe: Recipe, which: str) -> list[str]:
     return lines
 
 
-def _srun_opts(recipe: Recipe, which: str, workdir: Path) -> str:
+def _srun_opts(recipe: Recipe, which: str, workdir: Path, one_task: bool = False) -> str:
     c = recipe.cluster
     g = getattr(c, which)
     tasks = rollout_tasks(recipe)["tasks_per_node"] if which == "rollout" else 1
-    opts = [f"--nodes={g.nodes}", f"--ntasks-per-node={tasks}"]
-    if which == "learner":
+    opts = ["--nodes=1", "--ntasks=1"] if one_task else [f"--nodes={g.nodes}", f"--ntasks-per-node={tasks}"]
+    if which == "learner" and not one_task:
         opts.append("--kill-on-bad-exit=1")
     if g.gpus_per_node and tasks > 1:  # one engine per task, each on its own GPUs
         opts.append(f"--gpus-per-task={recipe.rollout.tensor_parallel_size}")
@@ -174,6 +177,10 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
         recipe_file=recipe_file,
         rollout_srun=_srun_opts(recipe, "rollout", workdir),
         learner_srun=_srun_opts(recipe, "learner", workdir),
+        prepare_srun=_srun_opts(recipe, "learner", workdir, one_task=True),
+        engine_args=json.dumps({k: v for k, v in recipe.engine_kwargs().items() if k != "aligned"}),
+        aligned_flag="--aligned" if recipe.mode == "aligned" else "--no-aligned",
+        wait_s=int(recipe.rollout.server_wait_s),
         rollout_prefix='export VLLM_HOST_IP=$(hostname -I | cut -d" " -f1); ' if c.rollout.gpus_per_node else "",
         learner_nodes=c.learner.nodes,
         rollout=rollout_tasks(recipe),
@@ -209,3 +216,40 @@ def submit(recipe: Recipe, *, dry_run: bool = False, run_dir: str | None = None,
     out(f"submitted job {job_id}: script {r.script_file}, log {r.log_dir}/{r.job_name}-{job_id}.out, "
         f"run dir {r.run_dir_for(job_id)}")
     return job_id
+
+
+def prepare(recipe_file: str, run_dir: str) -> Path:
+    """The batch script's first step (`python -m megatron_rz.submit prepare RECIPE RUN_DIR`): the
+    checkpoint the rollout servers serve, made (or found) exactly as the learner does, its path
+    written to RUN_DIR/rollout/model_dir."""
+    from megatron_rz.recipe import load_recipe
+    from megatron_rz.trainer import prepare_base_model
+
+    recipe = load_recipe(recipe_file, [f"logging.run_dir={run_dir}"])
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = Path(prepare_base_model(recipe, out)).resolve()
+    dest = out / "rollout" / "model_dir"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(".model_dir.tmp")
+    tmp.write_text(f"{base}\n")
+    tmp.replace(dest)
+    print(f"[rz job] base model for the rollout servers: {base}", flush=True)
+    return base
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] != "prepare":
+        print("usage: python -m megatron_rz.submit prepare RECIPE_FILE RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        prepare(argv[1], argv[2])
+    except RecipeError as e:
+        print(f"[rz job] {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

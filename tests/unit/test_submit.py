@@ -112,18 +112,30 @@ def test_overrides_may_follow_flags(capsys, tmp_path):
     assert "not-an-override" in capsys.readouterr().err
 
 
-def test_rollout_hosts_serve_both_trainers(tmp_path):
-    """Key (0600), RZ_REMOTE_ROLLOUT, learner waits for every host's json; the same rollout side for
-    the synchronous (max_lag 0) and the asynchronous (max_lag > 0) trainer."""
+def test_rollout_nodes_run_vllm_serve_for_both_trainers(tmp_path):
+    """Key (0600), the base model prepared before the servers, `vllm serve` (vllm_bridge.serve) with
+    the recipe's engine arguments on every rollout node, the learner waits for every server's record
+    and runs with rollout.where=servers; the same rollout side for max_lag 0 and max_lag > 0."""
+    import json
+    import shlex
+
     for overrides in ([], ["schedule.max_lag=2"]):
         r = load_recipe(ROOT / "recipes" / "tiny_moe.yaml", overrides)
         script = render(r, workdir=ROOT).script
         assert "umask 077" in script and '"$RZ_RUN_DIR/rollout.key"' in script
-        assert "export RZ_REMOTE_ROLLOUT=1" in script and "export RZ_ROLLOUT_HOSTS=" in script
+        assert "RZ_REMOTE_ROLLOUT" not in script and "RZ_ROLLOUT_" not in script and "rollout_host" not in script
         assert 'rm -rf "$RZ_RUN_DIR/rollout"' in script
-        assert "-m megatron_rz.rollout_host \"$RZ_RUN_DIR\"" in script and "--hold" not in script
-        # the wait loop comes before the learner's srun
-        assert script.index("rollout host(s) ready after") < script.index("srun --het-group=0")
+        assert '-m megatron_rz.submit prepare "$RZ_RECIPE_FILE" "$RZ_RUN_DIR"' in script
+        assert '-m vllm_bridge.serve "$(cat "$RZ_RUN_DIR/rollout/model_dir")"' in script and "--aligned" in script
+        assert '--record "$RZ_RUN_DIR/rollout/servers/$NAME.json"' in script and "--nnodes 1" not in script and "MULTI=()" in script
+        line = next(ln for ln in script.splitlines() if ln.startswith("export RZ_ENGINE_ARGS="))
+        args = json.loads(shlex.split(line.split("=", 1)[1])[0])
+        assert args == {k: v for k, v in r.engine_kwargs().items() if k != "aligned"}
+        assert "rollout.where=servers" in script
+        # prepare, then the servers, then the wait loop, then the learner's srun
+        order = [script.index(x) for x in ('-m megatron_rz.submit prepare', '"$RZ_PYTHON" -m vllm_bridge.serve',
+                                           "rollout server(s) ready after", "megatron_rz.cli train")]
+        assert order == sorted(order)
         f = tmp_path / "job.sbatch"
         f.write_text(script)
         assert subprocess.run(["bash", "-n", str(f)], capture_output=True).returncode == 0
@@ -132,3 +144,43 @@ def test_rollout_hosts_serve_both_trainers(tmp_path):
 
         submit(r, dry_run=True, out=lines.append)
         assert "warning" not in lines[-1]
+
+
+def test_engine_wider_than_a_node_uses_vllm_multinode_mode():
+    r = load_recipe(ROOT / "recipes" / "tiny_moe.yaml", [
+        "mode=fast", "cluster.rollout.nodes=4", "cluster.rollout.gpus_per_node=2", "cluster.rollout.gpu_memory_gb=141",
+        "rollout.tensor_parallel_size=4", "rollout.num_engines=2"])
+    script = render(r, workdir=ROOT).script
+    assert "RANK=$(( SLURM_NODEID % 2 ))" in script and "--nnodes 2 --node-rank \"$RANK\"" in script
+    assert "--no-aligned" in script
+    assert "while (( $(ls \"$RZ_RUN_DIR\"/rollout/servers/*.json 2>/dev/null | wc -l) < 2 ))" in script  # 2 heads
+
+
+def test_serve_command_line(tmp_path):
+    """vllm_bridge.serve: the in-process engine's settings as `vllm serve` options (no vLLM start)."""
+    import os
+
+    from megatron_rz.tiny_models import make_random_checkpoint
+    from vllm_bridge.serve import cli_options, serve_command
+
+    assert cli_options({"model": "/m", "enforce_eager": True, "enable_chunked_prefill": False, "seed": 3,
+                        "hf_overrides": {"architectures": ["X"]}, "attention_backend": None}) == [
+        "/m", "--enforce-eager", "--no-enable-chunked-prefill", "--seed", "3", "--hf-overrides",
+        '{"architectures": ["X"]}']
+    pytest.importorskip("vllm")
+    ckpt = tmp_path / "ckpt"
+    make_random_checkpoint(load_recipe(ROOT / "recipes" / "tiny_moe.yaml", []), ckpt)
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    os.chmod(key, 0o644)
+    with pytest.raises(SystemExit, match="readable by others"):
+        serve_command(str(ckpt), port=1, key_file=str(key))
+    os.chmod(key, 0o600)
+    argv, env = serve_command(str(ckpt), port=8123, key_file=str(key), engine_args={"max_model_len": 64})
+    assert argv[:2] == ["serve", str(ckpt)] and "--no-enable-chunked-prefill" in argv
+    assert argv[argv.index("--hf-overrides") + 1] == '{"architectures": ["RZAlignedQwen3MoeForCausalLM"]}'
+    assert argv[argv.index("--api-key") + 1] == "k" and argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--middleware") + 1] == "vllm_bridge.server_routes.RequireKey"
+    assert env["RZ_ALIGNED_SAMPLER"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    argv, _ = serve_command(str(ckpt), port=1, key_file=str(key), nnodes=2, node_rank=1, master_addr="h", master_port=5)
+    assert "--headless" in argv and "--api-key" not in argv and argv[argv.index("--node-rank") + 1] == "1"
