@@ -250,5 +250,5 @@ class ClusterConfig(_Strict):
                     "(80 for H100 80GB, 141 for H200)"
                 )
         if self.rollout.procs_per_node is not None:
-            raise ValueError("cluster.rollout.procs_per_node: the rollout side runs one engine host per node")
+            raise ValueError("cluster.rollout.procs_per_node: the rollout side runs one vllm serve per engine (rz submit derives the count)")
         return self
