@@ -140,10 +140,12 @@ def _record_when_ready(path: str, node: str | None, addr: str, port: int) -> Non
             addr = "127.0.0.1"
     record = {"node": node, "url": f"http://{addr}:{port}", "pid": os.getpid(), "host": socket.gethostname()}
 
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+
     def wait() -> None:
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                with opener.open(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                     if r.status == 200:
                         break
             except Exception:

@@ -125,6 +125,11 @@ def connect(run_dir: str | os.PathLike, *, servers: list[str] | list[Server] | N
     return client
 
 
+# Direct connections only: an http_proxy / https_proxy of the learner's environment (common on
+# clusters) must not carry the traffic to the rollout nodes.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class _Http:
     """One server: JSON over HTTP with the bearer key; errors become RolloutEngineError naming it."""
 
@@ -143,7 +148,7 @@ class _Http:
                                      headers={"Authorization": f"Bearer {self.key}",
                                               "Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with _OPENER.open(req, timeout=timeout) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
@@ -158,7 +163,7 @@ class _Http:
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            with _OPENER.open(self.url + "/health", timeout=timeout) as r:
                 return r.status == 200
         except Exception:
             return False
