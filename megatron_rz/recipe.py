@@ -383,6 +383,9 @@ class RuntimeConfig(_Strict):
     # reference ops on every device (slow on a GPU; for diagnosis). CPU runs compute the same either way.
     kernels: Literal["auto", "reference"] = "auto"
     gemm_small_tiles: bool = True  # GPU GEMM: the short-K tile table (same bits either way; speed only)
+    # CPU: the compiled exact kernels (kernels/_native.c; same bits as the torch reference, faster);
+    # false: the torch reference code. Read once per process, at the first kernel call.
+    native_cpu_kernels: bool = True
     vllm_patches: bool = True  # false: vLLM without vllm_bridge/vllm_patches.py's fixes (diagnosis only)
 
 

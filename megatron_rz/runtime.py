@@ -6,6 +6,7 @@ The recipe fields (megatron_rz.recipe) and where they go:
 |---|---|---|
 | `runtime.kernels` | `kernels.set_backend` | `RZ_KERNELS`, read by kernels/settings.py at import (vLLM's workers) |
 | `runtime.gemm_small_tiles` | `kernels.set_gemm_small_tiles` | `RZ_GEMM_SMALL_TILES` (same) |
+| `runtime.native_cpu_kernels` | `RZ_KERNELS_NATIVE`, read by kernels/_native.py at the first kernel call | (same) |
 | `runtime.vllm_patches` | - | `RZ_VLLM_PATCHES`, read by vllm_bridge/vllm_patches.py in every vLLM process |
 | `checkpoint.verify` | `megatron_rz.resume.set_verify` | (every rank applies its recipe) |
 | `logging.verbose` | false: Megatron's import notices filtered | false: `VLLM_LOGGING_LEVEL=WARNING` unless set |
@@ -34,6 +35,7 @@ def child_env(recipe: Recipe) -> dict[str, str]:
     return {
         "RZ_KERNELS": rt.kernels,
         "RZ_GEMM_SMALL_TILES": "1" if rt.gemm_small_tiles else "0",
+        "RZ_KERNELS_NATIVE": "1" if rt.native_cpu_kernels else "0",
         "RZ_VLLM_PATCHES": "1" if rt.vllm_patches else "0",
     }
 

@@ -87,6 +87,7 @@ CASES = [
     (["validate", TINY, "runtime.gemm_small_tiles=sometimes"], ["runtime.gemm_small_tiles='sometimes'", "boolean"]),
     (["check", TINY, "runtime.vllm_patches=2"], ["runtime.vllm_patches=2", "boolean", "runtime.vllm_patches=True"]),
     (["validate", TINY, "runtime=fast"], ["runtime='fast'", "section"]),
+    (["bench", "rollout", TINY, "runtime.native_cpu_kernels=[1]"], ["runtime.native_cpu_kernels", "boolean"]),
     (["validate", TINY, "checkpoint.verify=md5"], ["checkpoint.verify='md5'", "'hash' or 'size'",
                                                   "checkpoint.verify=hash"]),
     (["train", TINY, "parallel.collective_timeout_s=0"], ["parallel.collective_timeout_s=0", "> 0",

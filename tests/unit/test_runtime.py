@@ -10,7 +10,7 @@ from megatron_rz import resume
 from megatron_rz.recipe import load_recipe
 from megatron_rz.runtime import apply_runtime, child_env
 
-KEYS = ("RZ_KERNELS", "RZ_GEMM_SMALL_TILES", "RZ_VLLM_PATCHES")
+KEYS = ("RZ_KERNELS", "RZ_GEMM_SMALL_TILES", "RZ_KERNELS_NATIVE", "RZ_VLLM_PATCHES")
 
 
 @pytest.fixture()
@@ -25,7 +25,8 @@ def restore(monkeypatch):
 
 def test_defaults_are_what_the_code_did_before(restore):
     recipe = load_recipe(None)
-    assert child_env(recipe) == {"RZ_KERNELS": "auto", "RZ_GEMM_SMALL_TILES": "1", "RZ_VLLM_PATCHES": "1"}
+    assert child_env(recipe) == {"RZ_KERNELS": "auto", "RZ_GEMM_SMALL_TILES": "1", "RZ_KERNELS_NATIVE": "1",
+                                 "RZ_VLLM_PATCHES": "1"}
     apply_runtime(recipe)
     assert kernels.backend() == "auto" and settings.gemm_small_tiles() and resume.verify_mode() == "hash"
 
@@ -34,12 +35,13 @@ def test_fields_are_applied_here_and_exported(restore):
     import os
 
     recipe = load_recipe(None, ["runtime.kernels=reference", "runtime.gemm_small_tiles=false",
-                                "runtime.vllm_patches=false", "checkpoint.verify=size"])
+                                "runtime.vllm_patches=false", "runtime.native_cpu_kernels=false",
+                                "checkpoint.verify=size"])
     apply_runtime(recipe)
     assert kernels.backend() == "reference" and not settings.gemm_small_tiles()
     assert resume.verify_mode() == "size"
     assert {k: os.environ[k] for k in KEYS} == {"RZ_KERNELS": "reference", "RZ_GEMM_SMALL_TILES": "0",
-                                                "RZ_VLLM_PATCHES": "0"}
+                                                "RZ_KERNELS_NATIVE": "0", "RZ_VLLM_PATCHES": "0"}
 
 
 def test_a_child_reads_them_from_the_environment(restore):
