@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megatron_rz.planner import Plan, format_plan, make_plan
 from megatron_rz.recipe import Recipe, RecipeError, dump_recipe
+from megatron_rz.runtime import child_env
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "job.sbatch.j2"
 
@@ -145,7 +146,8 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
     if "/" in python and not Path(python).is_absolute():
         python = str(workdir / python)
     gpu = c.learner.gpus_per_node > 0 or c.rollout.gpus_per_node > 0
-    env = {**(GPU_ENV if gpu else {}), **c.env}
+    # runtime.* reach every task (learner ranks and the vllm serve processes) as megatron_rz.runtime exports them
+    env = {**(GPU_ENV if gpu else {}), **child_env(recipe), **c.env}
     if gpu:  # per-job compiler caches: kernels compiled by one job never race another's
         env.setdefault("TRITON_CACHE_DIR", "/tmp/rz-$SLURM_JOB_ID/triton")
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/rz-$SLURM_JOB_ID/inductor")

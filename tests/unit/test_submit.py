@@ -42,6 +42,8 @@ def test_dry_run_prints_script_and_memory_plan(name, capsys, tmp_path):
     assert '--rdzv-endpoint="$RZ_HEAD_ADDR:$RZ_RDZV_PORT"' in script
     assert "checkpoint.load=latest" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script and "export VLLM_HOST_IP=" in script
+    # the recipe's runtime section reaches every task, the vllm serve processes included
+    assert "export RZ_KERNELS=auto" in script and "export RZ_VLLM_PATCHES=1" in script
     # the plan: parameters, both sides' memory against the GPU budget
     assert "parameters: total" in plan and f"GiB per GPU of {c.learner.gpu_memory_gb:g}" in plan
     assert "KV cache holds" in plan
