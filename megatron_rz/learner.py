@@ -288,17 +288,6 @@ class Learner:
             return
         yield from iter_buckets(stream, bucket_bytes, device=None)
 
-    def hf_weights_on_rank0(self) -> dict | None:
-        """Collective: every rank walks export_hf_weights (its gathers need all of them), but only
-        global rank 0 keeps the tensors ({HF name: tensor}); the others return None without ever
-        holding more than one gathered tensor (a full model per rank would not fit at scale)."""
-        keep = dist.get_rank() == 0
-        out = {}
-        for name, t in self.export_hf_weights():
-            if keep:
-                out[name] = t
-        return out if keep else None
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict_for_checkpoint(self) -> dict:

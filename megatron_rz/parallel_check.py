@@ -61,7 +61,8 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
         if save_after == i + 1:
             learner.save_checkpoint(save_dir)
     after = learner.logprobs(ids)
-    weights = {k: v.detach().clone() for k, v in learner.export_hf_weights()}
+    # the weights as the trainer streams them to the rollout: small buckets (many of them), rank 0 only
+    weights = {k: v for bucket in learner.hf_weight_buckets(1 << 16) for k, v in bucket.items()}
     return {
         "logprobs_before": before,
         "logprobs_after": after,

@@ -1,19 +1,36 @@
-"""The synchronous REINFORCE Zero loop: rollout -> learner update -> weight sync, every step.
+"""The one REINFORCE Zero training loop, for every schedule: synchronous training is max_lag = 0.
 
-Every learner rank runs this function (torchrun for tp/ep/dp > 1). Global rank 0 also owns the
-vLLM rollout engine, the task and the logs; the batch it builds is broadcast to the other ranks,
-and the new weights flow back to it through the collective `export_hf_weights()` stream. In an
-`rz submit` job (RZ_REMOTE_ROLLOUT=1) rank 0's engine is a vllm_bridge.remote.RemoteRolloutEngine:
-the same engine, started on the job's rollout nodes and driven over TCP (docs/slurm.md).
+Every learner rank runs ``train`` (torchrun for tp/ep/dp > 1); global rank 0 also owns the rollout,
+the task and the logs. One update is
 
-    learner --weights (HF names, version)--> vLLM engine --samples (ids, logprobs, version)--> learner
+    batch k   <- the rollout (rank 0; broadcast to the other ranks), lag bound checked
+    update    learner.train_step on batch k (weights v0 + k -> v0 + k + 1)
+    weights   learner.hf_weight_buckets() (collective bucket stream in HF names) -> the rollout's
+              weight transport (vllm_bridge.transport), version v0 + k + 1
+
+and the rollout behind ``rollout`` depends on the schedule (``open_rollout``):
+
+* max_lag = 0: megatron_rz.rollout.InlineRollout, the producer in rank 0's own process: batch k
+  is generated after update k's weights are in the engine (in-process transport; the filesystem
+  transport for the vLLM servers of rollout.where=servers), so every token has lag 0. A local
+  engine that dies is restarted (schedule.engine_restarts) with the current weights and the batch
+  or the push is re-run identically (same prompts, same seeds).
+* max_lag = m > 0: megatron_rz.async_trainer.RolloutProcess, a rollout process beside the learner
+  running the same producer with in-flight weight swaps (filesystem transport); batch k holds
+  tokens of versions v0 + k - m .. v0 + k.
+
+The engine is a local vLLM engine, or the job's vLLM servers (rollout.where=servers; those are
+never restarted here: a dead server stops the run, naming it).
+
+    learner --weights (HF names, version)--> vLLM engine --samples (ids, logprobs, versions)--> learner
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +38,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rz.batch_filters import flatten_groups, overlong_shaping, refill_groups, token_weights_for_token_mean
+from megatron_rz.async_trainer import RolloutProcessError
+from megatron_rz.batch_filters import token_weights_for_token_mean
 from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.guards import install_nonfinite_guard
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
-from megatron_rz.recipe import Recipe, RecipeError, dump_recipe
-from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, step_rng, truncate_metrics
-from megatron_rz.tasks import Problem, make_task
+from megatron_rz.recipe import Recipe, dump_recipe
+from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
+from megatron_rz.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
 
 
 @dataclass
@@ -65,154 +83,6 @@ def build_batch(samples, pad_id: int) -> Batch:
                  token_weights_for_token_mean(mask), task_rewards)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _broadcast(obj):
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
-
-
-class RolloutSide:
-    """Rank 0's half: task, tokenizer, vLLM engine, evaluation.
-
-    The engine is a local vllm_bridge.engine.RolloutEngine, or with ``remote`` (a connected
-    vllm_bridge.remote.RemoteRolloutEngine: the rollout hosts of an `rz submit` job) the same
-    engine started on the rollout nodes with the same settings."""
-
-    def __init__(self, recipe: Recipe, model_dir: Path, remote=None, engine_extra: dict | None = None):
-        from transformers import AutoTokenizer
-
-        self.recipe = recipe
-        self.task = make_task(recipe.task)
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        r = recipe.rollout
-        engine_kwargs = dict(
-            dtype=recipe.rollout.dtype or recipe.model.dtype,
-            seed=recipe.schedule.seed,
-            max_num_seqs=r.max_num_seqs,
-            kv_cache_gb=r.kv_cache_gb,
-            max_model_len=recipe.model.max_position_embeddings,
-            aligned=recipe.mode == "aligned",
-            tensor_parallel_size=r.tensor_parallel_size,
-            fp8=recipe.model.fp8,  # the same blockwise FP8 linears as the learner (or none)
-        )
-        self.restarts = 0  # engine restarts after it died (restart_engine; local engines only)
-        self._restart_args = None
-        if remote is not None:
-            started = remote.start(str(Path(model_dir).resolve()), **engine_kwargs)
-            print("[rz] rollout engines on the rollout nodes: " + ", ".join(
-                f"{s['node']} (host pid {s['host_pid']}, engine-core pids {s['engine_pids']}, "
-                f"started in {s['startup_s']:.1f} s)" for s in started), flush=True)
-            self.engine = remote
-        else:
-            from vllm_bridge.engine import RolloutEngine
-
-            self.engine = RolloutEngine(str(model_dir), **engine_kwargs, **(engine_extra or {}))
-            self._restart_args = (str(model_dir), {**engine_kwargs, **(engine_extra or {})})
-
-    def restart_engine(self, weights: dict | None, version: int) -> None:
-        """A new local engine in place of a dead one, holding `weights` (None: the base model's)."""
-        import contextlib
-
-        from vllm_bridge.engine import RolloutEngine
-
-        with contextlib.suppress(Exception):  # reaps what is left of the dead one
-            self.engine.close()
-        model_dir, kwargs = self._restart_args
-        self.engine = RolloutEngine(model_dir, **kwargs)
-        if weights is not None:
-            self.engine.update_weights(weights.items(), version=version)
-
-    def encode(self, problems: list[Problem]) -> list[list[int]]:
-        return [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def rollout(self, problems: list[Problem], seed: int):
-        r = self.recipe.rollout
-        samples = self.engine.generate(
-            self.encode(problems),
-            n=r.samples_per_prompt,
-            max_new_tokens=r.max_new_tokens,
-            seed=seed,
-            **r.sampling_kwargs(),  # temperature, top_k, top_p (+ fast-mode extras)
-        )
-        for s in samples:
-            s.reward = self.task.reward(problems[s.group], self.decode(s.response_ids))
-        return samples
-
-    def collect(self, rng: random.Random, step: int):
-        """One step's training samples: task rewards, then the algorithm's batch shaping
-        (DAPO overlong penalty, dynamic sampling refill). s.info['task_reward'] keeps the raw reward."""
-        algo, r = self.recipe.algo, self.recipe.rollout
-        base_seed = self.recipe.schedule.seed * 100003 + step * 101
-
-        def generate(n: int, attempt: int):
-            samples = self.rollout(self.task.sample(rng, n), seed=base_seed + attempt)
-            for s in samples:
-                s.info["task_reward"] = s.reward
-            if algo.overlong_buffer > 0:
-                shaped = overlong_shaping(
-                    torch.tensor([s.reward for s in samples]),
-                    torch.tensor([len(s.response_ids) for s in samples]),
-                    r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty,
-                )
-                for s, v in zip(samples, shaped.tolist()):
-                    s.reward = v
-            return samples
-
-        if not algo.dynamic_sampling:
-            return generate(r.prompts_per_step, 0)
-        result = refill_groups(generate, r.prompts_per_step)
-        samples = flatten_groups(result.groups)
-        for s in samples:
-            s.info["dynamic_sampling_dropped"] = result.dropped_groups
-        return samples
-
-    def evaluate(self) -> float:
-        """Greedy exact-match accuracy on the task's held-out prompts."""
-        problems = self.task.eval_set()
-        samples = self.engine.generate(
-            self.encode(problems), n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.recipe.rollout.max_new_tokens
-        )
-        return sum(self.task.reward(problems[s.group], self.decode(s.response_ids)) for s in samples) / len(problems)
-
-
-def restarting(side: RolloutSide, recipe: Recipe, step: int, weights: dict | None, version: int, call):
-    """call() (an engine operation of update `step`, 0-based). When the local engine dies
-    (RolloutEngineError: its engine core was killed, OOM, ...) a new one is started holding the
-    current `weights` (None: the base model's) and call() runs again from its start. At most
-    schedule.engine_restarts per run; then (and for remote engines) the error stops the run (rz
-    train names the checkpoint to resume from)."""
-    from vllm_bridge.engine import RolloutEngineError
-
-    while True:
-        try:
-            return call()
-        except RolloutEngineError as e:
-            if side._restart_args is None or side.restarts >= recipe.schedule.engine_restarts:
-                raise
-            side.restarts += 1
-            print(f"[rz] rollout engine died during update {step + 1} ({str(e).splitlines()[0][:200]}); "
-                  f"restarting it with the weights of version {version} (restart {side.restarts} of "
-                  f"{recipe.schedule.engine_restarts})", flush=True)
-            side.restart_engine(weights, version)
-
-
-def collect_restarting(side: RolloutSide, recipe: Recipe, step: int, weights: dict | None, version: int):
-    """side.collect for `step`, through `restarting`: a rollout cut short by a dead engine runs again
-    with the same prompts and seeds on the new engine (same weights), so the batch is the one the
-    dead engine would have produced: nothing lost or counted twice."""
-    return restarting(side, recipe, step, weights, version,
-                      lambda: side.collect(step_rng(recipe.schedule.seed, step), step))
-
-
 def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
     """The starting checkpoint: model.pretrained (checked against the recipe), else the tiny model
     (tokenizer + random init + SFT warm start) made for this recipe's base-model hash: base_model/
@@ -224,11 +94,11 @@ def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
 
         return check_pretrained(recipe)
     base, missing = base_model_dir(recipe, run_dir)
-    if base.name != "base_model" and _rank() == 0:
+    if base.name != "base_model" and rank() == 0:
         print(f"[rz] {run_dir / 'base_model'} was made from other model/task/warm-start settings: "
               f"{'making' if missing else 'using'} {base}", flush=True)
     if missing:
-        if _rank() == 0:
+        if rank() == 0:
             info = build_base_model(recipe, base, progress=recipe.logging.progress)
             print(f"[rz] warm start done: {json.dumps(info)}", flush=True)
         if dist.is_initialized():
@@ -236,150 +106,331 @@ def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
     return base
 
 
-def connect_remote_rollout(recipe: Recipe, run_dir: Path):
-    """Rank 0's client for the job's rollout hosts (RZ_REMOTE_ROLLOUT=1), or None for a local engine."""
-    from vllm_bridge.remote import RemoteRolloutEngine, remote_rollout_requested
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
-    if not remote_rollout_requested():
+
+def broadcast(obj):
+    """``obj`` of global rank 0 on every rank (pickled; a no-op on one rank)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+_rank, _broadcast = rank, broadcast  # the old names (rz check and the localiser import them)
+
+
+class RankZeroStopped(RolloutProcessError):
+    """Rank 0 stopped the run (its own error is raised there); what the other ranks raise."""
+
+
+def _drain(stream) -> None:
+    with contextlib.suppress(Exception):
+        for _ in stream:
+            pass
+
+
+def _agree(status: str, error: BaseException | None, what: str) -> str:
+    """Rank 0's ``status`` on every rank; "error": rank 0 raises ``error``, the others RankZeroStopped."""
+    said = broadcast(status if error is None else f"error: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
+    if said.startswith("error: "):
+        if error is not None:
+            raise error
+        raise RankZeroStopped(f"rank 0 stopped the run during {what}: {said[7:]}")
+    return said
+
+
+def push_weights(learner, rollout, step: int, *, verify: bool) -> None:
+    """Collective: the learner's weights (version learner.version) into the rollout, bucket by
+    bucket through its weight transport. A local engine that dies meanwhile is restarted and the
+    push re-run (every rank walks the stream again); any other error stops every rank."""
+    from vllm_bridge.engine import RolloutEngineError
+
+    while True:
+        buckets = learner.hf_weight_buckets()
+        status, error = "ok", None
+        if rank() == 0:
+            try:
+                rollout.push_weights(buckets, learner.version, verify=verify)
+            except RolloutEngineError as e:
+                _drain(buckets)  # the other ranks are still walking the stream
+                if rollout.restart(e, step, learner.version):
+                    status = "restart"
+                else:
+                    error = e
+            except BaseException as e:
+                _drain(buckets)
+                error = e
+        else:
+            _drain(buckets)
+        if _agree(status, error, f"the weight push of update {step + 1}") == "ok":
+            return
+
+
+def fetch_batch(learner, rollout, k: int, step: int, max_lag: int):
+    """Collective: batch k (of update ``step`` + 1) from the rollout on rank 0, broadcast, after the
+    consumer-side lag-bound check. A dead local engine is restarted (the current weights re-pushed)
+    and the batch generated again with the same prompts and seeds."""
+    from vllm_bridge.engine import RolloutEngineError
+
+    while True:
+        status, error, payload = "ok", None, None
+        if rank() == 0:
+            try:
+                samples, meta = rollout.batch(k)
+                batch = build_batch(samples, rollout.pad_id)
+                oldest = int(batch.versions[batch.loss_mask.bool()].min())
+                if oldest < learner.version - max_lag:
+                    raise RolloutProcessError(f"lag bound violated: learner version {learner.version}, oldest token "
+                                       f"version {oldest}, max_lag {max_lag}")
+                payload = (batch, meta)
+            except RolloutEngineError as e:
+                if rollout.restart(e, step, learner.version):
+                    status = "restart"
+                else:
+                    error = e
+            except BaseException as e:
+                error = e
+        if _agree(status, error, f"batch {k} (update {step + 1})") == "restart":
+            if learner.version > 0:  # the new engine holds the base model's weights (version 0)
+                push_weights(learner, rollout, step, verify=False)
+            continue
+        return broadcast(payload)
+
+
+def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step: int):
+    """Collective. The rollout of this schedule on rank 0 (None elsewhere), holding the learner's
+    weights when the run resumes (version v0 > 0). Its engine: rollout.where (local, or the vLLM
+    servers of an rz submit job)."""
+    from megatron_rz import async_trainer
+    from megatron_rz.rollout import connect_engine
+
+    v0, rank0, resumed = learner.version, rank() == 0, bool(start_step)
+    if recipe.schedule.max_lag == 0:
+        rollout = None
+        if rank0:
+            rollout = InlineRollout(recipe, base, run_dir, v0, start_step, engine=connect_engine(recipe, run_dir))
+        if resumed:
+            push_weights(learner, rollout, start_step, verify=False)
+        return rollout
+    init = None
+    if resumed:  # the rollout starts from the learner's weights: that version on disk first
+        buckets = learner.hf_weight_buckets()
+        if rank0:
+            init = async_trainer.FilesystemTransport(run_dir / async_trainer.WEIGHTS_DIR).push(buckets, v0).paths
+        else:
+            _drain(buckets)
+    if not rank0:
         return None
-    wait_s = float(os.environ.get("RZ_ROLLOUT_WAIT_S", "600"))
-    remote = RemoteRolloutEngine.from_run_dir(run_dir, wait_s=wait_s)
-    print(f"[rz] remote rollout: connected to {len(remote.nodes)} host(s) on {remote.nodes}", flush=True)
-    return remote
+    if recipe.schedule.eval_every:
+        print("[rz] max_lag > 0: schedule.eval_every is not used (evaluation before and after only)", flush=True)
+    return async_trainer.RolloutProcess(recipe, base, run_dir, v0, start_step, init)
+
+
+def lag_stats(versions: torch.Tensor, mask: torch.Tensor, learner_version: int, max_lag: int) -> dict:
+    """Per-token and per-sample lag (learner version - token version) over response tokens."""
+    sel = mask.bool()
+    lag = (learner_version - versions)[sel]
+    vmin = torch.where(sel, versions, torch.full_like(versions, 1 << 40)).min(dim=1).values
+    sample_lag = learner_version - vmin
+    n = max(1, lag.numel())
+    out = {
+        "lag_mean": lag.double().mean().item() if lag.numel() else 0.0,
+        "lag_max": int(lag.max()) if lag.numel() else 0,
+        "sample_lag_mean": sample_lag.double().mean().item(),
+        "frac_samples_span_versions": ((versions.masked_fill(~sel, -(1 << 40)).max(dim=1).values) != vmin).double().mean().item(),
+    }
+    for j in range(max_lag + 1):
+        out[f"frac_tokens_lag_{j}"] = (lag == j).sum().item() / n
+    return out
+
+
+def pure_lag0_bitwise(learner_logp, batch, learner_version: int) -> dict:
+    """Bitwise agreement over samples generated entirely (prompt prefill included) by the learner's
+    current weights: there, and only there, w == 1 exactly is expected in aligned mode."""
+    sel = batch.loss_mask.bool()
+    pure_rows = ((batch.versions == learner_version) | ~sel).all(dim=1) & sel.any(dim=1)
+    tok = sel & pure_rows[:, None]
+    if not tok.any():
+        return {"lag0_pure_tokens": 0}
+    eq = learner_logp[tok] == batch.old_logprobs[tok]
+    return {"lag0_pure_tokens": int(tok.sum()), "lag0_pure_frac_bitwise": eq.double().mean().item(),
+            "lag0_pure_max_abs_dlogp": (learner_logp[tok] - batch.old_logprobs[tok]).abs().max().item()}
 
 
 def train(recipe: Recipe) -> dict:
-    """Run the recipe; returns the final summary on rank 0 (empty dict elsewhere)."""
-    if recipe.schedule.max_lag > 0:
-        from megatron_rz.async_trainer import train_async
-
-        return train_async(recipe)
+    """Run the recipe, whatever its schedule; returns the final summary on rank 0 ({} elsewhere)."""
     from tqdm import tqdm
 
     from megatron_rz.learner import Learner
     from megatron_rz.model import init_parallel
+    from megatron_rz.preemption import arm_sigterm_checkpoint
 
+    max_lag, steps = recipe.schedule.max_lag, recipe.schedule.steps
     run_dir = recipe.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     init_parallel(recipe.parallel, seed=recipe.schedule.seed)
     base = prepare_base_model(recipe, run_dir)
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
                       mode=recipe.mode)
-    rank0 = _rank() == 0
+    rank0 = rank() == 0
     start_step = 0
     ckpt = resolve_load(recipe.checkpoint.load, run_dir)
     if ckpt is not None:
         start_step = learner.load_checkpoint(ckpt)
         if rank0:
             print(f"[rz] resumed from {ckpt} (step {start_step})", flush=True)
-    side = RolloutSide(recipe, base, remote=connect_remote_rollout(recipe, run_dir)) if rank0 else None
-    if rank0:
-        dump_recipe(recipe, run_dir / "recipe.yaml")
-    if start_step:
-        weights = learner.hf_weights_on_rank0()  # collective
-        if rank0:
-            side.engine.update_weights(weights.items(), version=learner.version)
-    earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if (rank0 and start_step) else []
-    logger = MetricsLogger(recipe, run_dir, resume=bool(start_step)) if rank0 else None
-    guard = install_nonfinite_guard(learner)  # NaN/inf loss or gradients: the update is skipped, counted
-    loss_fn = guard.wrap_loss(make_loss_fn(recipe.algo))
-    d3_ratio = RunningRatio()
-    for r in earlier:  # a resumed run continues the same running statistic
-        if "d3" in r:
-            d3_ratio.add(r["d3"])
-    times = {"rollout": 0.0, "learner": 0.0, "sync": 0.0}
-
+    rollout = logger = None
+    earlier: list[dict] = []
     eval_before = None
-    if rank0:
-        eval_before = logged_eval_before(earlier)
-        if eval_before is None:
-            eval_before = side.evaluate()
-            logger.log(start_step, {"eval_reward": eval_before})
-    from megatron_rz.preemption import arm_sigterm_checkpoint
-
-    arm_sigterm_checkpoint()  # from here SIGTERM checkpoints the current step, then exits
-    weights = weights if start_step else None  # what the engine holds (rank 0), for a restart
-    steps = range(start_step, recipe.schedule.steps)
-    bar = tqdm(steps, desc="REINFORCE Zero", disable=not (rank0 and recipe.logging.progress))
-    for step in bar:
-        t0 = time.perf_counter()
-        batch = None
+    times = {"rollout": 0.0, "learner": 0.0, "sync": 0.0}
+    try:
+        rollout = open_rollout(recipe, base, run_dir, learner, start_step)
         if rank0:
-            samples = collect_restarting(side, recipe, step, weights, learner.version)
-            batch = build_batch(samples, side.tok.pad_token_id)
-        batch = _broadcast(batch)
-        t1 = time.perf_counter()
+            dump_recipe(recipe, run_dir / "recipe.yaml")
+            rollout.start()
+            earlier = truncate_metrics(run_dir / "metrics.jsonl", start_step) if start_step else []
+            logger = MetricsLogger(recipe, run_dir, resume=bool(start_step))
+            eval_before = logged_eval_before(earlier)
+            if eval_before is None or max_lag > 0:  # a rollout process always sends its first evaluation
+                fresh = rollout.eval_before()
+                if eval_before is None:
+                    eval_before = fresh
+                    logger.log(start_step, {"eval_reward": eval_before})
+        guard = install_nonfinite_guard(learner)  # NaN/inf loss or gradients: the update is skipped, counted
+        loss_fn = guard.wrap_loss(make_loss_fn(recipe.algo))
+        d3_ratio = RunningRatio()
+        for r in earlier:  # a resumed run continues the same running statistic
+            if "d3" in r:
+                d3_ratio.add(r["d3"])
+        arm_sigterm_checkpoint()  # from here SIGTERM checkpoints the current step, then exits
+        bar = tqdm(range(start_step, steps), desc=f"REINFORCE Zero (lag<={max_lag})",
+                   disable=not (rank0 and recipe.logging.progress))
+        for step in bar:
+            k = step - start_step
+            t0 = time.perf_counter()
+            batch, meta = fetch_batch(learner, rollout, k, step, max_lag)
+            t1 = time.perf_counter()
 
-        out = learner.train_step(
-            batch.input_ids,
-            loss_fn,
-            **recipe.rollout.sampling_contract(),  # the distribution the rollout sampled from
-            micro_batch_size=recipe.algo.micro_batch_size,
-            old_logprobs=batch.old_logprobs,
-            advantages=batch.advantages,
-            loss_mask=batch.loss_mask,
-            token_weight=batch.token_weight,
-        )
-        # The learner's logprobs that the loss used, on the weights that generated the batch: at
-        # lag 0 every difference from the rollout logprobs is kernel mismatch.
-        stats = mismatch_stats(out.pop("logprobs"), batch.old_logprobs, batch.loss_mask)
-        guard.after_update(out, step + 1)  # raises RunStopped after algo.max_bad_updates in a row
-        t2 = time.perf_counter()
+            version = learner.version
+            out = learner.train_step(
+                batch.input_ids, loss_fn, **recipe.rollout.sampling_contract(),  # the distribution sampled from
+                micro_batch_size=recipe.algo.micro_batch_size, old_logprobs=batch.old_logprobs,
+                advantages=batch.advantages, loss_mask=batch.loss_mask, token_weight=batch.token_weight)
+            # The learner's logprobs that the loss used (weights `version`, before the update): at lag 0
+            # every difference from the rollout logprobs is kernel mismatch.
+            learner_logp = out.pop("logprobs")
+            guard.after_update(out, step + 1)  # raises RunStopped after algo.max_bad_updates in a row
+            stats = mismatch_stats(learner_logp, batch.old_logprobs, batch.loss_mask)
+            t2 = time.perf_counter()
 
-        # The stream is collective (TP/EP gathers): every rank walks it; rank 0 holds the full tensors.
-        weights = learner.hf_weights_on_rank0()
-        if rank0:
-            restarting(side, recipe, step, weights, learner.version,
-                       lambda: side.engine.update_weights(weights.items(), version=learner.version))
             r = recipe.rollout
-            if r.verify_sync and (step % r.verify_every == 0 or step == recipe.schedule.steps - 1):
-                side.engine.verify_sync(weights.items())
-        t3 = time.perf_counter()
+            push_weights(learner, rollout, step, verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
+            t3 = time.perf_counter()
 
-        times["rollout"] += t1 - t0
-        times["learner"] += t2 - t1
-        times["sync"] += t3 - t2
+            times["rollout"] += t1 - t0
+            times["learner"] += t2 - t1
+            times["sync"] += t3 - t2
+            if rank0:
+                resp = batch.loss_mask.sum(dim=1)
+                row = {
+                    **stats,
+                    **out,
+                    "d3_peak_over_median": d3_ratio.add(stats.get("d3", 0.0)),
+                    "reward_mean": batch.task_rewards.mean().item(),
+                    "shaped_reward_mean": batch.rewards.mean().item(),
+                    "response_len": resp.mean().item(),
+                    **lag_stats(batch.versions, batch.loss_mask, version, max_lag),
+                    **pure_lag0_bitwise(learner_logp, batch, version),
+                    "weight_version": learner.version,
+                    "max_lag_bound": max_lag,
+                    "time_rollout": t1 - t0,  # what the learner waited for its batch
+                    "time_rollout_wait": t1 - t0,
+                    "time_learner": t2 - t1,
+                    "time_sync": t3 - t2,
+                    "time_step": t3 - t0,
+                    "samples_per_s": batch.input_ids.shape[0] / (t3 - t0),
+                    "tokens_per_s": resp.sum().item() / (t3 - t0),
+                    **meta,
+                }
+                # (the last step's evaluation is the final one, after the loop)
+                if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 and step + 1 < steps:
+                    value = rollout.evaluate()
+                    if value is not None:
+                        row["eval_reward"] = value
+                logger.log(step + 1, row)
+                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
+                                dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
+            checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
+
+        learner.save_checkpoint(checkpoint_dir(run_dir, steps), step=steps)
+        buckets = learner.hf_weight_buckets()  # collective: every rank walks it
+        if not rank0:
+            _drain(buckets)
+            return {}
+        export_hf_checkpoint(buckets, base, run_dir / "hf_final")
+        eval_after = rollout.finish()
+        logger.log(steps, {"eval_reward": eval_after})
+        summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times)
+        logger.close()
+        logger = None
+        if recipe.logging.plots:
+            plot_run(run_dir)
+        return summary
+    finally:
+        if rollout is not None:
+            rollout.close()
+        if logger is not None:
+            with contextlib.suppress(Exception):
+                logger.close()
         if rank0:
-            resp_len = batch.loss_mask.sum(dim=1)
-            row = {
-                **stats,
-                **{k: v for k, v in out.items()},
-                "d3_peak_over_median": d3_ratio.add(stats.get("d3", 0.0)),
-                "reward_mean": batch.task_rewards.mean().item(),
-                "shaped_reward_mean": batch.rewards.mean().item(),
-                "response_len": resp_len.mean().item(),
-                "lag_max": 0,
-                "weight_version": learner.version,
-                "time_rollout": t1 - t0,
-                "time_learner": t2 - t1,
-                "time_sync": t3 - t2,
-                "time_step": t3 - t0,
-            }
-            # (the last step's evaluation is the final one, after the loop)
-            if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 \
-                    and step + 1 < recipe.schedule.steps:
-                row["eval_reward"] = side.evaluate()
-            logger.log(step + 1, row)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
-        checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
+            from megatron_rz.async_trainer import WEIGHTS_DIR
 
-    learner.save_checkpoint(checkpoint_dir(run_dir, recipe.schedule.steps), step=recipe.schedule.steps)
-    final_weights = learner.hf_weights_on_rank0()  # collective
-    if not rank0:
-        return {}
-    export_hf_checkpoint(final_weights.items(), base, run_dir / "hf_final")
-    eval_after = side.evaluate()
-    logger.log(recipe.schedule.steps, {"eval_reward": eval_after})
-    summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times)
-    logger.close()
-    if recipe.logging.plots:
-        plot_run(run_dir)
-    side.engine.close()
-    return summary
+            shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)
+            shutil.rmtree(run_dir / "weights", ignore_errors=True)
 
 
-def export_hf_checkpoint(weights, base: Path, out: Path) -> None:
-    """Write the weight stream as a Hugging Face checkpoint next to the base model's config/tokenizer."""
+def bench_async_vs_sync(recipe: Recipe, steps: int = 10, max_lag: int = 2) -> dict:
+    """Same recipe, ``steps`` updates at max_lag=0 and at max_lag=2, in one invocation; updates/s is
+    over the update loop (sum of per-update wall times: rollout wait + learner + sync; start-up and
+    evaluation excluded). Both runs share one base model (warm start made once). Prints and
+    returns the numbers and the ratio."""
+    root = recipe.run_dir / "bench_async"
+    shared = prepare_base_model(recipe.model_copy(deep=True), root)
+    res = {}
+    for name, lag in (("sync", 0), ("async", max_lag)):
+        r = recipe.model_copy(deep=True)
+        r.schedule.steps, r.schedule.max_lag, r.schedule.eval_every = steps, lag, 0
+        r.logging.run_dir = str(root / name)
+        r.logging.wandb, r.logging.plots, r.logging.progress = False, False, False
+        r.checkpoint.every, r.checkpoint.load = 0, None
+        if not (r.run_dir / "base_model" / "config.json").exists():
+            shutil.copytree(shared, r.run_dir / "base_model", dirs_exist_ok=True)
+        t0 = time.perf_counter()
+        train(r)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+        tr = [x for x in rows if "max_abs_dlogp" in x]
+        loop = sum(x["time_step"] for x in tr)
+        res[name] = {"updates": len(tr), "loop_s": loop, "updates_per_s": len(tr) / loop, "wall_s": wall,
+                     "time_rollout_mean": sum(x["time_rollout"] for x in tr) / len(tr),
+                     "time_learner_mean": sum(x["time_learner"] for x in tr) / len(tr),
+                     "time_sync_mean": sum(x["time_sync"] for x in tr) / len(tr),
+                     "lag_mean": sum(x.get("lag_mean", 0.0) for x in tr) / len(tr)}
+    res["async_over_sync"] = res["async"]["updates_per_s"] / res["sync"]["updates_per_s"]
+    res["cpu_count"] = os.cpu_count()
+    print(f"sync (max_lag=0): {res['sync']['updates_per_s']:.3f} updates/s; async (max_lag={max_lag}): "
+          f"{res['async']['updates_per_s']:.3f} updates/s; async/sync = {res['async_over_sync']:.2f}", flush=True)
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def export_hf_checkpoint(buckets, base: Path, out: Path) -> None:
+    """Write a bucket stream ({HF name: tensor} dicts) as a Hugging Face checkpoint next to the base
+    model's config/tokenizer: model.safetensors for one bucket, else one shard per bucket
+    (model-0000i-of-0000N.safetensors) and model.safetensors.index.json. One bucket in memory."""
     import shutil
 
     from safetensors.torch import save_file
@@ -389,4 +440,18 @@ def export_hf_checkpoint(weights, base: Path, out: Path) -> None:
         weights_file = f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")
         if f.is_file() and not weights_file and f.name != "warm_start.json":
             shutil.copy(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in weights}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    parts: list[tuple[Path, list[str], int]] = []
+    for i, bucket in enumerate(buckets):
+        tmp = out / f"part-{i:05d}.safetensors.tmp"
+        save_file({k: v.detach().cpu().contiguous() for k, v in bucket.items()}, str(tmp), metadata={"format": "pt"})
+        parts.append((tmp, list(bucket), sum(v.numel() * v.element_size() for v in bucket.values())))
+    if len(parts) == 1:
+        parts[0][0].replace(out / "model.safetensors")
+        return
+    weight_map, n = {}, len(parts)
+    for i, (tmp, names, _) in enumerate(parts):
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tmp.replace(out / name)
+        weight_map.update({k: name for k in names})
+    index = {"metadata": {"total_size": sum(p[2] for p in parts)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

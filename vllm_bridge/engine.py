@@ -199,7 +199,7 @@ def _proc_start_time(pid: int) -> str | None:
         return None
 
 
-def _reap(pid: int, start: str | None, wait_s: float = 5.0) -> None:
+def reap_process(pid: int, start: str | None, wait_s: float = 5.0) -> None:
     """Kill worker process ``pid`` (one this engine started) if it outlived its engine core.
 
     The start time guards against a recycled pid. Zombies (already exited) are left alone.
@@ -387,7 +387,7 @@ class RolloutEngine:
                     p.kill()
                     p.join(5)
         for pid, start in self._worker_procs:
-            _reap(pid, start)
+            reap_process(pid, start)
         self.llm = None
 
     def worker_pids(self) -> list[int]:
@@ -412,7 +412,7 @@ class RolloutEngine:
 
     def process_ids(self) -> list[tuple[int, str | None]]:
         """(pid, start time) of every process this engine started (engine cores, then workers): what a
-        parent reaps if the process owning this engine dies without closing it (engine._reap)."""
+        parent reaps if the process owning this engine dies without closing it (reap_process)."""
         cores = [(pid, _proc_start_time(pid)) for pid in self.engine_pids()]
         return cores + list(self._worker_procs)
 

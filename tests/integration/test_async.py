@@ -7,6 +7,8 @@
 * w == 1 exactly on lag-0 tokens (samples generated entirely by the learner's current weights)
   in aligned mode, inside the async machinery.
 * killing the rollout process makes the learner fail fast with a clear message.
+* the rollout on two vLLM servers (rollout.where=servers): the first update equals the local
+  rollout process's; a killed server is named within 60 s.
 * (slow, RZ_SLOW=1) Ctrl-C (SIGINT to the process group) ends the run and every vLLM process.
 
 One warm-started base model is made once per session and copied into each run dir.
@@ -238,56 +240,70 @@ def test_ctrl_c_ends_rollout_and_vllm(tmp_path, base_model):
     assert _wait_gone(pids, 20) == []
 
 
-# ------------------------------------------------------------------------------ remote rollout hosts
+# ------------------------------------------------------------------------------ vLLM servers
 
 
-def _start_hosts(run_dir: Path, nodes: list[str], log_dir: Path) -> list[subprocess.Popen]:
-    """`python -m megatron_rz.rollout_host RUN_DIR` per "node" (what an rz submit job starts)."""
-    from vllm_bridge.remote import write_authkey
+def _start_servers(run_dir: Path, nodes: list[str], log_dir: Path, *overrides: str) -> list[subprocess.Popen]:
+    """`python -m vllm_bridge.serve` per "node" with the recipe's engine settings (what an rz submit
+    job's rollout nodes run), recording themselves under RUN_DIR/rollout/servers."""
+    import socket
 
-    write_authkey(run_dir)
+    from megatron_rz.recipe import load_recipe
+    from vllm_bridge.server_client import write_key
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny_moe.yaml", [*SHORT, *overrides])
+    engine_args = {k: v for k, v in recipe.engine_kwargs().items() if k != "aligned"}
+    key = write_key(run_dir)
     procs = []
-    for node in nodes:
-        env = {**_env(), "SLURMD_NODENAME": node, "RZ_NODE_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rz.rollout_host", str(run_dir)], cwd=ROOT,
-                                      env=env, stdout=open(log_dir / f"{node}.log", "w"), stderr=subprocess.STDOUT))
+    for i, node in enumerate(nodes):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**_env(), "PYTHONPATH": str(ROOT), "VLLM_CPU_OMP_THREADS_BIND": str(i % 2)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "vllm_bridge.serve", str(run_dir / "base_model"), "--host", "127.0.0.1",
+             "--port", str(port), "--key-file", str(key), "--engine-args", json.dumps(engine_args),
+             "--aligned" if recipe.mode == "aligned" else "--no-aligned", "--node", node,
+             "--record", str(run_dir / "rollout" / "servers" / f"{node}.json")],
+            cwd=ROOT, env=env, stdout=open(log_dir / f"{node}.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True))
     return procs
 
 
-def _stop_hosts(procs: list[subprocess.Popen], run_dir: Path) -> None:
-    (run_dir / "LEARNER_EXITED").touch()
+def _stop_servers(procs: list[subprocess.Popen]) -> None:
+    import contextlib
+
+    for p in procs:  # each server leads its own session: its engine core too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
     for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
-def _remote_env(hosts: int) -> dict:
-    return {**_env(), "RZ_REMOTE_ROLLOUT": "1", "RZ_ROLLOUT_HOSTS": str(hosts), "RZ_ROLLOUT_WAIT_S": "120"}
-
-
-def test_async_trainer_on_two_rollout_hosts(tmp_path, base_model, async_run):
-    """The async trainer with its rollout loop inside two rollout hosts (an rz submit job's rollout
-    nodes, here two processes on this machine): each host generates half of every batch; the
-    first batch (version 0 everywhere) is the one the local rollout process made, so the first
-    update is the same to the last bit."""
+def test_async_trainer_on_two_vllm_servers(tmp_path, base_model, async_run):
+    """max_lag > 0 with the rollout on two vLLM servers (an rz submit job's rollout nodes, here two
+    processes on this machine; rollout.where=servers): the rollout process drives them through the
+    server client's stream (in-flight swaps over /pause), the weights travel as bucket files. The
+    first batch (version 0 everywhere) is the one the local rollout process made: the first update
+    is the same to the last bit."""
     run_dir = tmp_path / "run"
     _prep(run_dir, base_model)
-    hosts = _start_hosts(run_dir, ["hostA", "hostB"], tmp_path)
     local_dir, _, mode = async_run
+    over = ("schedule.steps=3", "schedule.max_lag=2", f"mode={mode}", "rollout.where=servers", "rollout.num_engines=2",
+            "rollout.server_wait_s=240")
+    servers = _start_servers(run_dir, ["nodeA", "nodeB"], tmp_path, *over)
     try:
-        out = subprocess.run(_cmd(run_dir, "schedule.steps=3", "schedule.max_lag=2", f"mode={mode}"),
-                             capture_output=True, text=True, env=_remote_env(2), cwd=ROOT, timeout=600)
+        out = subprocess.run(_cmd(run_dir, *over), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     finally:
-        _stop_hosts(hosts, run_dir)
+        _stop_servers(servers)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    assert re.search(r"async rollout on the rollout nodes: hostA \(prompts 0\.\.3 of each batch.*hostB \(prompts "
-                     r"4\.\.7 of each batch", out.stdout), out.stdout[-2000:]
+    assert re.search(r"rollout on 2 vLLM server\(s\): nodeA .*nodeB", out.stdout), out.stdout[-2000:]
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["rollout_hosts"] == 2 and r["lag_max"] <= 2 and r["tokens"] > 0 for r in rows), rows
+    assert all(r["lag_max"] <= 2 and r["tokens"] > 0 for r in rows), rows
     local = [r for r in map(json.loads, (local_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
     for key in ("reward_mean", "response_len", "loss", "grad_norm", "max_abs_dlogp", "tokens"):
         assert rows[0][key] == local[0][key], (key, rows[0][key], local[0][key])
@@ -297,31 +313,28 @@ def test_async_trainer_on_two_rollout_hosts(tmp_path, base_model, async_run):
                 assert r["lag0_pure_frac_bitwise"] == 1.0, r
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     assert not (run_dir / "async_weights").exists()
-    for node in ("hostA", "hostB"):
-        text = (tmp_path / f"{node}.log").read_text()
-        assert f"[rz rollout] {node}: rollout: started" in text and f"[rz rollout] {node}: rollout: finished" in text, text[-2000:]
-    assert all(p.returncode == 0 for p in hosts)
 
 
-def test_lost_rollout_host_fails_async_learner_naming_it(tmp_path, base_model):
+def test_lost_vllm_server_fails_async_learner_naming_it(tmp_path, base_model):
     run_dir = tmp_path / "run"
     _prep(run_dir, base_model)
-    (host,) = _start_hosts(run_dir, ["hostC"], tmp_path)
+    over = ("schedule.steps=500", "schedule.max_lag=1", "rollout.where=servers", "rollout.server_wait_s=240")
+    (server,) = _start_servers(run_dir, ["nodeC"], tmp_path, *over)
     try:
-        proc = subprocess.Popen(_cmd(run_dir, "schedule.steps=500", "schedule.max_lag=1"), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=_remote_env(1), cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(_cmd(run_dir, *over), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(), cwd=ROOT, start_new_session=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.5)
         time.sleep(2.0)  # training under way
-        host.terminate()  # the node goes away (its engine is closed on the way out)
+        os.killpg(server.pid, signal.SIGKILL)  # the node goes away
         t0 = time.monotonic()
         stdout, stderr = proc.communicate(timeout=120)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        _stop_hosts([host], run_dir)
+        _stop_servers([server])
     assert proc.returncode != 0
-    assert "RolloutProcessError" in stderr and "rollout host on node hostC" in stderr, stderr[-3000:]
+    assert "RolloutProcessError" in stderr and "nodeC" in stderr, stderr[-3000:]
     assert took < 60, took

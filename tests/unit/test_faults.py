@@ -250,35 +250,56 @@ def test_dead_engine_stops_the_run_with_one_line_naming_the_checkpoint(tmp_path,
 # ------------------------------------------------------------------------ engine restart (sync trainer)
 
 
-class _Side:
-    """RolloutSide as collect_restarting uses it; its engine dies `deaths` times mid-collect."""
+class _Rollout:
+    """InlineRollout as fetch_batch uses it; its engine dies `deaths` times mid-batch."""
 
-    def __init__(self, deaths: int, local: bool = True):
-        self.deaths, self.restarts, self.calls, self.restarted_with = deaths, 0, [], []
-        self._restart_args = ("base", {}) if local else None
+    pad_id = 0
 
-    def collect(self, rng, step):
-        self.calls.append((step, rng.random()))
+    def __init__(self, deaths: int, restartable: bool = True, budget: int = 2):
+        self.deaths, self.restarts, self.calls, self.pushed = deaths, 0, [], []
+        self.restartable, self.budget = restartable, budget
+
+    def batch(self, k):
+        from megatron_rz.resume import step_rng
+        from vllm_bridge.samples import Sample
+
+        self.calls.append((k, step_rng(0, 5 + k).random()))
         if len(self.calls) <= self.deaths:
             raise __import__("vllm_bridge.engine", fromlist=["x"]).RolloutEngineError("engine core died (-9)")
-        return ["samples of", step]
+        s = [Sample([1, 2], [3, 4], [-0.5, -0.25], [7, 7], "stop", group=0, reward=r) for r in (0.0, 1.0)]
+        return s, {"k": k}
 
-    def restart_engine(self, weights, version):
-        self.restarted_with.append((weights, version))
+    def restart(self, error, step, version):  # InlineRollout.restart's budget rule
+        if not self.restartable or self.restarts >= self.budget:
+            return False
+        self.restarts += 1
+        return True
+
+    def push_weights(self, buckets, version, verify=False):
+        self.pushed.append((list(buckets), version))
 
 
-def test_dead_engine_is_restarted_with_current_weights_and_the_step_reruns_identically():
-    from megatron_rz.recipe import load_recipe
-    from megatron_rz.trainer import collect_restarting
+class _PushLearner:
+    version = 7
+
+    def hf_weight_buckets(self):
+        yield {"model.norm.weight": torch.ones(2)}
+
+
+def test_dead_engine_is_restarted_with_current_weights_and_the_batch_reruns_identically():
+    from megatron_rz.async_trainer import RolloutProcessError
+    from megatron_rz.trainer import fetch_batch
     from vllm_bridge.engine import RolloutEngineError
 
-    recipe = load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), ["schedule.engine_restarts=2"])
-    side = _Side(deaths=2)
-    w = {"model.norm.weight": torch.ones(2)}
-    assert collect_restarting(side, recipe, 5, w, 7) == ["samples of", 5]
-    assert side.restarted_with == [(w, 7), (w, 7)] and side.restarts == 2
-    assert len({c for c in side.calls}) == 1, "the re-run must draw the same prompts (same rng per step)"
+    ro = _Rollout(deaths=2)
+    batch, meta = fetch_batch(_PushLearner(), ro, 0, 5, 0)
+    assert meta == {"k": 0} and batch.rewards.tolist() == [0.0, 1.0]
+    assert ro.restarts == 2 and [v for _, v in ro.pushed] == [7, 7]  # the new engine got version 7 each time
+    assert all(torch.equal(b[0]["model.norm.weight"], torch.ones(2)) for b, _ in ro.pushed)
+    assert len(set(ro.calls)) == 1, "the re-run must draw the same prompts (same rng per step)"
     with pytest.raises(RolloutEngineError):  # the budget is per run: the third death stops it
-        collect_restarting(_Side(deaths=3), recipe, 5, w, 7)
-    with pytest.raises(RolloutEngineError):  # remote engines (rollout hosts) are not restarted here
-        collect_restarting(_Side(deaths=1, local=False), recipe, 5, w, 7)
+        fetch_batch(_PushLearner(), _Rollout(deaths=3), 0, 5, 0)
+    with pytest.raises(RolloutEngineError):  # remote engines (vLLM servers) are not restarted
+        fetch_batch(_PushLearner(), _Rollout(deaths=1, restartable=False), 0, 5, 0)
+    with pytest.raises(RolloutProcessError, match="lag bound violated"):  # the consumer-side check
+        fetch_batch(type("L", (), {"version": 9})(), _Rollout(deaths=0), 0, 5, 0)
