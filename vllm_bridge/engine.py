@@ -268,7 +268,7 @@ class RolloutEngine:
         env: dict[str, str] = {}
         self.aligned = aligned
         # Blockwise FP8 inside the model (recipe model.fp8): this argument, else the checkpoint's
-        # config.json key "rz_fp8" (vllm_bridge.aligned.reference.FP8_CONFIG_KEY), else none.
+        # config.json key "rz_fp8" (kernels.models.qwen3_dsv3.FP8_CONFIG_KEY), else none.
         self.fp8 = str(fp8 if fp8 is not None else _config(self.model_dir).get("rz_fp8", "none"))
         if self.fp8 not in ("none", "blockwise"):
             raise RolloutEngineError(f"fp8={self.fp8!r}: expected 'none' or 'blockwise'")
