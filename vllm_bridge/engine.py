@@ -41,7 +41,6 @@ from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, WeightSyncError, check_
                                    to_safetensors)
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
-_iter_buckets = iter_buckets  # the old name, for vllm_bridge.remote until it is replaced
 __all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES"]
 
 # Environment of a torchrun / SLURM learner process. vLLM's engine core and workers would read
