@@ -89,8 +89,17 @@ def _rollout_main(recipe_dict: dict, base: str, run_dir: str, v0: int, start_ste
     except (KeyboardInterrupt, SystemExit, _Stop):
         results_q.cancel_join_thread()  # nobody may read what is still queued: do not block exit
     except BaseException:
-        with contextlib.suppress(Exception):
-            results_q.put(("error", traceback.format_exc()), timeout=10)
+        # The learner may not read for a while (batches queued ahead of this message fill the
+        # bounded queue): keep trying while it lives, so its error names the cause (a dead server).
+        msg, deadline = ("error", traceback.format_exc()), time.monotonic() + 600
+        while time.monotonic() < deadline and (parent is None or parent.is_alive()):
+            try:
+                results_q.put(msg, timeout=POLL_S)
+                break
+            except queue.Full:
+                continue
+            except Exception:
+                break
 
 
 def run_rollout(recipe_dict: dict, base: str, run_dir: str, v0: int, start_step: int, init_path: list[str] | None,
@@ -324,7 +333,13 @@ class RolloutProcess(_OutOfProcess):
 
     def send_weights(self, version: int, paths: list[str]) -> None:
         if not self.proc.is_alive():
-            raise self._dead_error(f"weights version {version} to be accepted")
+            what = f"weights version {version} to be accepted"
+            with contextlib.suppress(queue.Empty):  # its last words, if it sent any, behind the batches
+                while True:
+                    msg = self.results_q.get(timeout=0.2)
+                    if msg[0] == "error":
+                        raise RolloutProcessError(f"the rollout process failed while the learner waited for {what}:\n{msg[1]}")
+            raise self._dead_error(what)
         self.control_q.put(("weights", int(version), list(paths)))
 
     def finish(self) -> float | None:
