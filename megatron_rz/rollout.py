@@ -2,15 +2,16 @@
 per-step seeds and the policy-lag bound, for every schedule.
 
 ``Producer`` turns update index k into batch k: the prompts of training step ``start_step + k``
-(``resume.step_rng``: the same prompts whatever the lag, host or restart), each prompt's G samples
+(``resume.step_rng``: the same prompts whatever the lag or restart), each prompt's G samples
 with the seeds ``rollout_seed`` gives, task rewards, DAPO overlong shaping, and (dynamic sampling)
 a fresh prompt submitted for every group whose rewards are all equal. It drives a *generator*:
 
 * ``BlockingGenerator(engine)``: submit / step over the blocking ``generate`` of any
-  RolloutEngine-like client (a local RolloutEngine or a remote client): the synchronous
-  schedule, where batch k is produced between update k-1's weight push and update k.
-* ``vllm_bridge.streaming.StreamingGenerator``: submit / step with in-flight weight swaps, for
-  max_lag > 0 in the rollout process (megatron_rz.async_trainer).
+  RolloutEngine-like client (a local RolloutEngine or the vLLM servers' RolloutClient): the
+  synchronous schedule, where batch k is produced between update k-1's weight push and update k.
+* ``vllm_bridge.streaming.StreamingGenerator`` (or the servers' ``RolloutClient.stream()``, the
+  same surface): submit / step with in-flight weight swaps, for max_lag > 0 in the rollout process
+  (megatron_rz.async_trainer).
 
 The lag bound (max_lag = m): batch k is trained at learner version v0 + k; its prompts are
 submitted only once the generator holds a version >= v0 + k - m (``allowed``). m = 0 is the

@@ -388,8 +388,7 @@ def train(recipe: Recipe) -> dict:
         if rank0:
             from megatron_rz.async_trainer import WEIGHTS_DIR
 
-            shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)
-            shutil.rmtree(run_dir / "weights", ignore_errors=True)
+            shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)  # versions in flight to the rollout process
 
 
 def bench_async_vs_sync(recipe: Recipe, steps: int = 10, max_lag: int = 2) -> dict:
