@@ -38,7 +38,7 @@ import torch
 
 from vllm_bridge.samples import Sample
 from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, WeightSyncError, check_weights, iter_buckets, readable,
-                                   to_safetensors)
+                                   stage_and_commit, to_safetensors)
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
 __all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES"]
@@ -651,27 +651,13 @@ class RolloutEngine:
         version stay. ``reload=False`` is a test hook that transfers but never loads (a broken sync
         verify_sync must catch). Returns sizes and timings (also kept in ``last_sync``)."""
         t0 = time.perf_counter()
-        n_stage = n_bytes = 0
-        self._rpc("rz_abort_weights")
-        try:
-            for payload in payloads:
-                n_bytes += len(payload) if isinstance(payload, (bytes, bytearray)) else os.path.getsize(payload)
-                self._rpc("rz_stage_weights", payload if isinstance(payload, (bytes, bytearray)) else str(payload))
-                n_stage += 1
-            t1 = time.perf_counter()
-            info = self._rpc("rz_commit_weights", int(version), bool(reload))[0]
-        except BaseException:
-            if self.dead_reason() is None:
-                with contextlib.suppress(Exception):
-                    self._rpc("rz_abort_weights")
-            raise
+        info = stage_and_commit(self._rpc, payloads, version, reload=reload, alive=lambda: self.dead_reason() is None)
         self.set_weight_version(version)
         self.last_sync = {
             "version": int(version),
             "num_tensors": info["num_tensors"],
-            "bytes": n_bytes,
-            "rpcs": n_stage + 2,
-            "transfer_s": t1 - t0,
+            "bytes": info["bytes"],
+            "rpcs": info["staged"] + 2,
             "reload_s": info["reload_s"],
             "total_s": time.perf_counter() - t0,
         }

@@ -95,6 +95,32 @@ class WeightUpdate:
             yield from load_file(p).items()
 
 
+def stage_and_commit(rpc: Callable[..., list], payloads: Iterable[bytes | str | os.PathLike], version: int, *,
+                     reload: bool = True, alive: Callable[[], bool] = lambda: True) -> dict:
+    """The workers' half of the staging protocol, however they are reached (``rpc(method, *args)``
+    returns the per-worker results: RolloutEngine's collective_rpc, a server's /collective_rpc):
+    abort whatever is half-staged, stage each payload (safetensors bytes, or the path of a
+    safetensors file the worker reads itself), commit them all with one in-place reload
+    (worker_ext). On failure the staged buckets are aborted (when ``alive()``) and the error
+    re-raised: the old weights stay. Returns the first worker's commit info plus "staged"
+    (payloads) and "bytes". The caller then sets the version label and resets the prefix cache."""
+    staged = n_bytes = 0
+    rpc("rz_abort_weights")
+    try:
+        for payload in payloads:
+            raw = isinstance(payload, (bytes, bytearray))
+            n_bytes += len(payload) if raw else os.path.getsize(payload)
+            rpc("rz_stage_weights", payload if raw else str(payload))
+            staged += 1
+        info = rpc("rz_commit_weights", int(version), bool(reload))[0]
+    except BaseException:
+        if alive():
+            with contextlib.suppress(Exception):
+                rpc("rz_abort_weights")
+        raise
+    return {**(info if isinstance(info, dict) else {}), "staged": staged, "bytes": n_bytes}
+
+
 class WeightTransport:
     """Send side: ``push(buckets, version)`` on the learner's rank 0 (the other ranks only walk
     the learner's collective bucket stream). Receive side: ``apply(update, engine)`` where the
