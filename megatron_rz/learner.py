@@ -22,10 +22,10 @@ numeric metric is also a SUM over those rows. The optimizer step uses the gradie
 sums over all micro batches and dp ranks divided by B (i.e. means over the B rows), plus
 `loss` (same convention), `grad_norm` (before clipping) and `lr`.
 
-Checkpoints: `save_checkpoint(dir)` writes one `torch.save` file per rank
-(`rank{global rank:05d}.pt`: model state dict, optimizer state dict, version, layout).
-Megatron's dist_checkpointing (resharding on load) was not tried on CPU; a per-rank file resumes
-the same layout (checked on load). A different layout can restart from exported HF weights.
+Checkpoints: `save_checkpoint(dir)` writes a Megatron dist_checkpointing checkpoint (torch_dist
+format: every tensor under its global name and shape; model, optimizer incl. Adam moments, version,
+RNG; see megatron_rz.checkpoint), so a run saved at one tp / ep / dp layout resumes at another
+(`load_checkpoint`), e.g. TP=2/EP=2 on two ranks -> TP=1/EP=1 on one and back.
 
 Parameters must be float32 on CPU: Megatron's bf16 optimizer only accepts CUDA tensors.
 
@@ -290,58 +290,21 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict_for_checkpoint(self) -> dict:
-        from megatron_rz.megatron_patches import distributed_optimizer_state
-
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            # the distributed optimizer keeps its shards of fp32 params and Adam moments apart
-            "optimizer_param_state": distributed_optimizer_state(self.optimizer),
-            "version": self.version,
-            "layout": self.parallel.model_dump(),
-            "world_size": dist.get_world_size(),
-            # Nothing in the forward draws random numbers today (no dropout); kept so that one that
-            # does (dropout, router jitter) still resumes exactly.
-            "torch_rng": torch.get_rng_state(),
-        }
-
     def save_checkpoint(self, ckpt_dir, step: int | None = None) -> Path:
-        """Collective: every rank writes its file. `step` (the trainer's step; default: version)
-        is stored and returned by load_checkpoint."""
-        d = Path(ckpt_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict_for_checkpoint()
-        state["step"] = self.version if step is None else int(step)
-        from megatron_rz.resume import COMPLETE, mark_complete, write_digest
+        """Collective: a Megatron dist_checkpointing checkpoint of model, optimizer, version and RNG
+        (megatron_rz.checkpoint), resumable under any layout; `step` (the trainer's step; default:
+        version) is stored and returned by load_checkpoint. COMPLETE is written last."""
+        from megatron_rz import checkpoint
 
-        if dist.get_rank() == 0:  # re-saving a step: it is not complete until rewritten below
-            (d / COMPLETE).unlink(missing_ok=True)
-        path = d / f"rank{dist.get_rank():05d}.pt"
-        torch.save(state, path)
-        write_digest(path)  # each rank hashes its own file
-        dist.barrier()
-        if dist.get_rank() == 0:  # every rank's file is on disk: mark the checkpoint usable
-            mark_complete(d, state["step"])  # step + every file's size and digest (resume.verify_checkpoint)
-        dist.barrier()
-        return d
+        if self.optimizer is None:
+            raise RuntimeError("this Learner was built with train=False (scoring only): it has no optimizer to checkpoint")
+        return checkpoint.save(self, ckpt_dir, self.version if step is None else int(step))
 
     def load_checkpoint(self, ckpt_dir) -> int:
-        """Restore model, optimizer and version from save_checkpoint's files; returns the stored step."""
-        state = torch.load(Path(ckpt_dir) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
-        saved = {**ParallelConfig().model_dump(), **state["layout"]}  # fields added since: their defaults
-        if saved != self.parallel.model_dump() or state["world_size"] != dist.get_world_size():
-            raise ValueError(
-                f"checkpoint {ckpt_dir} was saved with layout {state['layout']} on {state['world_size']} ranks; "
-                f"this learner has {self.parallel.model_dump()} on {dist.get_world_size()}"
-            )
-        self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("optimizer_param_state") is not None:
-            from megatron_rz.megatron_patches import load_distributed_optimizer_state
+        """Restore model, optimizer and version from save_checkpoint's files (written under any
+        tp / ep / dp layout); returns the stored step."""
+        from megatron_rz import checkpoint
 
-            load_distributed_optimizer_state(self.optimizer, state["optimizer_param_state"])
-        self.version = int(state["version"])
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
-        return int(state.get("step", self.version))
+        if self.optimizer is None:
+            raise RuntimeError("this Learner was built with train=False (scoring only): load a checkpoint into a training learner")
+        return checkpoint.load(self, ckpt_dir)

@@ -9,7 +9,8 @@ modules in the layer spec instead of patching (HF-style RMSNorm, plain causal co
 replicated MLA kv down-projection, expert-weight DDP grouping) lives in model.py.
 
 `apply()` is idempotent. The CUDA redirections are installed only when CUDA is unavailable; the
-two Transformer-Engine-absence fixes whenever TE is missing.
+Transformer-Engine-absence fixes (1, 2, 2b) whenever TE is missing, 2c always. Checkpoint helpers used
+around dist_checkpointing saves and loads (init_adam_state, unshare_adam_steps) live here too.
 """
 
 from __future__ import annotations
@@ -151,60 +152,79 @@ def _cuda_type_names(fn):
     return wrapped
 
 
-def distributed_optimizer_state(optimizer) -> list | None:
-    """The parameter state (fp32 main-param shards, Adam moments) of every DistributedOptimizer in
-    ``optimizer`` (a ChainedOptimizer holds one per parameter group family), or None if there is
-    none. DistributedOptimizer.state_dict() leaves this state out by design; this is what a
-    per-rank checkpoint must add.
+def _set_main_param_and_optimizer_states_torch_adam(orig):
+    """DistributedOptimizer._set_main_param_and_optimizer_states for torch's Adam (no apex/TE):
+    copy the tensors given (param, exp_avg, exp_avg_sq); the Adam "step" is loaded separately."""
+    import functools
 
-    Megatron-core 0.16.1's load_parameter_state_from_dp_reshardable skips entries whose
-    'padding' flag is set but get_parameter_state_dp_reshardable writes no such flag (KeyError on
-    load); the entries are marked here. Load with load_distributed_optimizer_state (after
-    optimizer.load_state_dict), which also works around the shared-step bug described there."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    @functools.wraps(orig)
+    def setter(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            dst[key].copy_(value)
 
-    opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, DistributedOptimizer)]
-    if not opts:
-        return None
-    out = []
-    for o in opts:
-        st = o.get_parameter_state_dp_reshardable()
-        for key, per_dtype in st.items():
-            if isinstance(key, int):
-                for buckets in per_dtype.values():
-                    for bucket in buckets:
-                        for elem in bucket:
-                            elem.setdefault("padding", False)
-                            for k, v in list(elem.items()):
-                                if torch.is_tensor(v):
-                                    elem[k] = v.detach().clone()
-        out.append(st)
-    return out
+    return setter
 
 
-def load_distributed_optimizer_state(optimizer, states: list) -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+def _keep_zero_common_step(orig, nested: bool):
+    """Wrap FP32Optimizer / Float16OptimizerWithFloat16Params.sharded_state_dict so a common Adam
+    step of 0 is saved too (megatron-core 0.16.1 writes it under ``if step:``, dropping 0)."""
+    import functools
 
-    opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, DistributedOptimizer)]
-    if len(opts) != len(states):
-        raise ValueError(f"checkpoint has state for {len(states)} distributed optimizer(s), this learner has {len(opts)}")
-    with torch.no_grad():  # fp32 main params are views of parameters that require grad
-        for o, st in zip(opts, states):
-            # DistributedOptimizer.load_state_dict (megatron-core 0.16.1, torch optimizers, i.e.
-            # without apex/TE) gives every parameter's Adam state the SAME "step" tensor; torch's
-            # Adam then increments it once per parameter per step, so bias corrections go wrong
-            # after a resume. One tensor per parameter, as a fresh optimizer has.
-            for per_param in o.optimizer.state.values():
-                if torch.is_tensor(per_param.get("step")):
-                    per_param["step"] = per_param["step"].clone()
-            o.load_parameter_state_from_dp_reshardable(st)
+    @functools.wraps(orig)
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+        sd = orig(self, model_sharded_state_dict, is_loading, metadata)
+        state = sd["optimizer"]["state"] if nested else sd["state"]
+        if not is_loading and "common_step" not in state:
+            steps = [v["step"] for v in self.optimizer.state.values() if torch.is_tensor(v.get("step"))]
+            if steps:
+                state["common_step"] = steps[0]
+        return sd
+
+    return sharded_state_dict
+
+
+def init_adam_state(optimizer) -> None:
+    """Before ``optimizer.sharded_state_dict(...)`` (save or load) when no update ran yet.
+
+    torch's Adam allocates its state (step, exp_avg, exp_avg_sq) at the first step, so before it a
+    Megatron optimizer's sharded_state_dict has no moments: a checkpoint saved then cannot be
+    loaded into a learner that has taken a step (dist_checkpointing: "...exp_avg... not in state
+    dict"), and megatron-core 0.16.1's DistributedOptimizer.sharded_state_dict on a fresh optimizer
+    (torch Adam, no apex/TE) fails in state_dict() (``assert len(steps) == 1``). Allocate what
+    torch's Adam would at its first step (step 0, zero moments): the next update is the same one."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """After ``optimizer.load_state_dict``. DistributedOptimizer.load_state_dict (megatron-core
+    0.16.1, torch optimizers, i.e. without apex/TE) gives every parameter's Adam state the SAME
+    "step" tensor; torch's Adam then increments it once per parameter per step, so bias
+    corrections go wrong after a resume. One tensor per parameter, as a fresh optimizer has."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for per_param in o.optimizer.state.values():
+            if torch.is_tensor(per_param.get("step")):
+                per_param["step"] = per_param["step"].clone()
 
 
 def apply() -> None:
     """Install the workarounds (idempotent). Call before building any Megatron module.
 
-    Patches 1-2 are for a host without Transformer Engine (also needed on GPUs without TE);
-    patches 3-11 redirect CUDA-only calls and are installed only when CUDA is unavailable.
+    Patches 1-2b are for a host without Transformer Engine (also needed on GPUs without TE);
+    patches 3-14 redirect CUDA-only calls and are installed only when CUDA is unavailable.
     """
     global _APPLIED
     if _APPLIED:
@@ -246,6 +266,31 @@ def apply() -> None:
         have_te = False
     if not have_te:
         mc_mla.HAVE_TE = False
+
+    # 2b. Distributed optimizer checkpoint load with torch's Adam (no apex/TE). In the
+    #     'fully_reshardable' dist_checkpointing format, load_parameter_state_from_fully_reshardable
+    #     hands _set_main_param_and_optimizer_states {param, exp_avg, exp_avg_sq} ("step" is loaded
+    #     separately, from the param groups), but that method copies every key of the torch Adam
+    #     state, which has "step" too: KeyError 'step'. Copy the keys given. Applies to
+    #     megatron-core 0.16.1.
+    from megatron.core.optimizer import distrib_optimizer as mc_distopt_te
+
+    if not mc_distopt_te.HAVE_APEX_OR_TE:
+        D = mc_distopt_te.DistributedOptimizer
+        D._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states_torch_adam(
+            D._set_main_param_and_optimizer_states)
+
+    # 2c. Optimizer checkpoints before the first update. FP32Optimizer.sharded_state_dict and
+    #     Float16OptimizerWithFloat16Params.sharded_state_dict store the shared Adam step as
+    #     'common_step' only `if step:`, so a step of 0 (a checkpoint taken before any update) is
+    #     dropped and loading it fails in torch's Adam (KeyError 'step'). Store 0 as well.
+    #     Applies to megatron-core 0.16.1.
+    from megatron.core.optimizer import optimizer as mc_optimizer
+
+    for cls, nested in ((mc_optimizer.FP32Optimizer, False), (mc_optimizer.Float16OptimizerWithFloat16Params, True)):
+        if not getattr(cls.sharded_state_dict, "_rz_zero_step", False):
+            cls.sharded_state_dict = _keep_zero_common_step(cls.sharded_state_dict, nested)
+            cls.sharded_state_dict._rz_zero_step = True
 
     if torch.cuda.is_available():
         _APPLIED = True
@@ -342,5 +387,27 @@ def apply() -> None:
 
     mc_distopt.torch = cpu_torch
     mc_distopt.DistributedOptimizer.__init__ = _cuda_type_names(mc_distopt.DistributedOptimizer.__init__)
+
+    # 13. dist_checkpointing save (torch_dist format). FileSystemWriterAsync.preload_tensors calls
+    #     torch.cuda.synchronize() and save_state_dict_async_finalize / the plan-reuse check
+    #     allocate a flag with device=torch.cuda.current_device() (AssertionError "Torch not compiled
+    #     with CUDA"). Redirect both modules' torch to the CPU one. Applies to megatron-core 0.16.1.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as mc_fs_async
+    from megatron.core.dist_checkpointing.strategies import state_dict_saver as mc_saver
+
+    mc_fs_async.torch = cpu_torch
+    mc_saver.torch = cpu_torch
+
+    # 14. dist_checkpointing save results queue. FileSystemWriterAsync collects its writers'
+    #     results through a multiprocessing.get_context("spawn").Manager().Queue(): a manager
+    #     server process started on the first save (about 7 s on a loaded 2-core host, and spawn
+    #     re-imports the __main__ module, so a script without a main guard dies with EOFError).
+    #     The learner saves synchronously (dist_checkpointing.save, no async_sharded_save): the
+    #     writers report back to this very process, so a thread-safe in-process queue is the same
+    #     protocol. Applies to megatron-core 0.16.1.
+    import queue
+
+    _results = queue.Queue()
+    mc_fs_async._get_write_results_queue = lambda: _results
 
     _APPLIED = True

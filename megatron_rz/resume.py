@@ -3,9 +3,10 @@
 - Data order is a pure function of (seed, step): `step_rng` gives each step its own generator, so
   a run resumed at step s draws exactly the prompts the uninterrupted run drew at s, s+1, ...
   (rollout sampling seeds are already per step, see RolloutSide.collect).
-- Checkpoints are complete and intact or ignored: every rank writes its file and a digest of it
-  (`write_digest`), then rank 0 writes the COMPLETE marker (`mark_complete`: the step and every
-  file's size and BLAKE2b digest, written atomically). `checkpoint.load: latest` picks the newest
+- Checkpoints are complete and intact or ignored: every rank writes its dist_checkpointing files
+  (megatron_rz.checkpoint: `__<rank>_<i>.distcp`; rank 0 also `.metadata`, `common.pt`,
+  `metadata.json`) and a digest of each (`write_digest`), then rank 0 writes the COMPLETE marker
+  (`mark_complete`: the step and every file's size and BLAKE2b digest, written atomically). `checkpoint.load: latest` picks the newest
   checkpoint that verifies (`verify_checkpoint`): one killed while saving (no marker), with a
   missing, truncated or corrupted file, or with a torn marker is named and skipped for the one
   before. Recipe `checkpoint.verify: size` checks sizes only (no re-read of the files: for very large
@@ -47,7 +48,7 @@ def file_digest(path: Path) -> str:
 
 
 def write_digest(path: Path) -> None:
-    """Each rank, right after writing its checkpoint file: its digest beside it (ranks hash in parallel)."""
+    """Each rank, right after writing a checkpoint file: its digest beside it (ranks hash in parallel)."""
     path = Path(path)
     tmp = path.with_name(path.name + DIGEST_SUFFIX + ".tmp")
     tmp.write_text(file_digest(path))

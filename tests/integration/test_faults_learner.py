@@ -48,35 +48,35 @@ def test_real_learner_skips_nan_updates_and_resumes_past_a_corrupted_checkpoint(
     learner.save_checkpoint(checkpoint_dir(tmp_path, 2), step=2)
     learner.train_step(ids, nll, loss_mask=mask)
     newest = learner.save_checkpoint(checkpoint_dir(tmp_path, 3), step=3)
-    f = newest / "rank00000.pt"
+    f = newest / "__0_0.distcp"  # this rank's tensors (dist_checkpointing)
     raw = bytearray(f.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # one bit, in the middle of the tensors
     f.write_bytes(bytes(raw))
     said = []
     ckpt = latest_checkpoint(tmp_path, log=said.append)
-    assert ckpt == checkpoint_dir(tmp_path, 2) and "step_000003" in said[0] and "rank00000.pt" in said[0]
+    assert ckpt == checkpoint_dir(tmp_path, 2) and "step_000003" in said[0] and "__0_0.distcp" in said[0]
     assert learner.load_checkpoint(ckpt) == 2
     assert all(torch.equal(w2[k], v) for k, v in weights().items())
 
     # the disk fills up while step 5 is written: the error propagates, step 5 never counts
     import errno
 
-    import megatron_rz.learner as lm
+    from megatron.core import dist_checkpointing
 
-    real_save = torch.save
+    real_save = dist_checkpointing.save
 
-    def full_disk(obj, path):
-        real_save(obj, path)
-        with open(path, "r+b") as f:
+    def full_disk(state, path, **kw):
+        real_save(state, path, **kw)
+        with open(f"{path}/__0_0.distcp", "r+b") as f:
             f.truncate(4096)  # what was on disk when the write failed
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        raise OSError(errno.ENOSPC, "No space left on device", f"{path}/__0_0.distcp")
 
-    lm.torch.save = full_disk
+    dist_checkpointing.save = full_disk
     try:
         with pytest.raises(OSError, match="No space left"):
             learner.save_checkpoint(checkpoint_dir(tmp_path, 5), step=5)
     finally:
-        lm.torch.save = real_save
+        dist_checkpointing.save = real_save
     said.clear()
     assert latest_checkpoint(tmp_path, log=said.append) == checkpoint_dir(tmp_path, 2)
     assert "step_000005" in said[0] and "no COMPLETE marker" in said[0]

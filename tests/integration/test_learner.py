@@ -229,8 +229,8 @@ def test_checkpoint_round_trip(ckpts, tmp_path):
 def test_distributed_optimizer_matches_and_resumes_exactly(ckpts, baselines, tmp_path):
     """parallel.distributed_optimizer=true (Megatron's ZeRO-1 DistributedOptimizer on gloo): dp=2 with
     ep=2, so both the dense and the expert parameter families are sharded optimizers. Two steps
-    agree with one process to fp32 reduction order; a checkpoint written after step 1 (per-rank
-    shards of fp32 params and Adam moments) and resumed for step 2 gives the uninterrupted run's
+    agree with one process to fp32 reduction order; a checkpoint written after step 1 (dist_checkpointing:
+    fp32 params and Adam moments in model space) and resumed for step 2 gives the uninterrupted run's
     weights bit for bit."""
     d, _ = ckpts["qwen3_moe"]
     base = baselines["qwen3_moe"]
@@ -240,15 +240,16 @@ def test_distributed_optimizer_matches_and_resumes_exactly(ckpts, baselines, tmp
     assert full["optimizers"] == ["DistributedOptimizer", "DistributedOptimizer"], full["optimizers"]
     wd = max((full["weights"][k].float() - base["weights"][k].float()).abs().max().item() for k in base["weights"])
     assert wd < 1e-5
-    assert (ck / "rank00000.pt").exists() and (ck / "rank00001.pt").exists()
-    state = torch.load(ck / "rank00001.pt", weights_only=False)
-    assert state["optimizer_param_state"] is not None and len(state["optimizer_param_state"]) == 2
+    from megatron_rz.checkpoint import read_common
+
+    assert (ck / "COMPLETE").exists() and (ck / "__0_0.distcp").exists()  # a dist_checkpointing checkpoint
+    assert read_common(ck)["layout"]["distributed_optimizer"] is True
     resumed = _torchrun(d, 1, 2, tmp_path / "resumed.pt", ov, extra=["--load", str(ck), "--steps", "1"])
     assert all(torch.equal(resumed["weights"][k], full["weights"][k]) for k in full["weights"])
     assert torch.equal(resumed["logprobs_after"], full["logprobs_after"])
     assert resumed["metrics"][0]["grad_norm"] == full["metrics"][1]["grad_norm"]
     print(f"\n[distributed optimizer dp=2 ep=2] max|dweight| vs one process after 2 steps {wd:.2e}; "
-          "resume from step-1 checkpoint bitwise")
+          "resume from its step-1 dist_checkpointing checkpoint bitwise")
 
 
 # ------------------------------------------------------------------ (e) FP8 block-quantised releases

@@ -87,7 +87,7 @@ def test_train_async_dp2_ep2_distributed_optimizer_through_torchrun(tmp_path):
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["lag_max"] <= 1 for r in rows)
     assert all(r["lag0_pure_frac_bitwise"] == 1.0 for r in rows if r.get("lag0_pure_tokens")), rows
-    assert (run_dir / "checkpoints" / "step_000003" / "rank00001.pt").is_file()
+    assert (run_dir / "checkpoints" / "step_000003" / "__1_0.distcp").is_file()  # rank 1 wrote its shards
     assert (run_dir / "hf_final" / "model.safetensors").is_file()
 
 

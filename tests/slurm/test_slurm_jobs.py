@@ -110,7 +110,7 @@ def test_tiny_recipe_runs_as_heterogeneous_job(local_slurm, tmp_path):
     assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3]
     assert all(r["time_sync"] > 0 for r in _train_rows(run_dir))
     assert (run_dir / "checkpoints" / "step_000003" / "COMPLETE").exists()
-    assert (run_dir / "checkpoints" / "step_000003" / "rank00000.pt").exists()
+    assert (run_dir / "checkpoints" / "step_000003" / "__0_0.distcp").exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
