@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,13 +138,19 @@ def _same_update(m: dict, ref: dict) -> bool:
     return m["loss"] == ref["loss"] and torch.equal(m["logprobs"], ref["logprobs"])
 
 
-def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path):
-    from megatron_rz.resume import verify_checkpoint
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
     from megatron_rz.tiny_models import make_random_checkpoint
 
+    d = tmp_path_factory.mktemp("hf")
+    make_random_checkpoint(_recipe(1, 1, 1, False), d, seed=0)
+    return d
+
+
+def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path, hf):
+    from megatron_rz.resume import verify_checkpoint
+
     t0 = time.time()
-    hf = tmp_path / "hf"
-    make_random_checkpoint(_recipe(1, 1, 1, False), hf, seed=0)
     a, a2, c, c2 = (tmp_path / n for n in ("a_tp2ep2", "a_resaved_tp1", "c_tp1", "c_resaved_tp2ep2"))
 
     # TP=2/EP=2 on two ranks: 1 update, checkpoint A, 1 more update (the reference)
@@ -173,17 +180,11 @@ def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path):
           f"{m['loss']!r} / {ref_c['loss']!r} equal, logprobs torch.equal; {time.time() - t0:.0f} s")
 
 
-def test_distributed_optimizer_checkpoint_reshards_and_refusals(tmp_path):
+def test_distributed_optimizer_checkpoint_reshards_and_refusals(tmp_path, hf):
     """parallel.distributed_optimizer=true at dp=2 x ep=2 (both parameter families sharded ZeRO-1)
     resumes at one rank with its fp32 main params and moments (every tensor bitwise after a re-save);
     a plain-optimizer learner and an old per-rank checkpoint are refused with one line."""
-    import pytest
-
-    from megatron_rz.tiny_models import make_random_checkpoint
-
     t0 = time.time()
-    hf = tmp_path / "hf"
-    make_random_checkpoint(_recipe(1, 1, 1, False), hf, seed=0)
     a, a2 = tmp_path / "d_dp2ep2", tmp_path / "d_resaved_tp1"
     two = _torchrun(tmp_path, "two", "--hf", hf, "--tp", 1, "--ep", 2, "--distopt", "--pre", 1, "--save", a,
                     "--post", 1)
