@@ -161,7 +161,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[M, N]`` = tree over K of ``x2[M, K] * w[N, K]`` (bitwise ``gemm._partial_fp32``'s torch path)."""
+    """fp32 ``[M, N]`` = tree over K of ``x2[M, K] * w[N, K]`` (bitwise ``gemm.partial_fp32``'s torch path)."""
     _need()
     M, K = x2.shape
     N = w.shape[0]

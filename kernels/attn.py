@@ -36,7 +36,7 @@ from ._common import PRODUCT_BUDGET, tree_sum, with_reference_grad
 __all__ = ["attention", "attention_packed", "causal_attention", "varlen_attention"]
 
 
-def _check(q, k, v, q_positions):
+def check_inputs(q, k, v, q_positions):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("attention: q [T,Hq,D], k [S,Hkv,D], v [S,Hkv,Dv] expected")
     T, Hq, D = q.shape
@@ -102,7 +102,7 @@ def _attention_fwd_torch(q, k, v, pos, scale, odt):
     return out.to(odt)
 
 
-def _attention_ref(q, k, v, pos, scale, odt):
+def attention_reference(q, k, v, pos, scale, odt):
     """Plain-torch reference (for gradients and tests)."""
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
@@ -133,7 +133,7 @@ def attention(
     of a chunked prefill, the whole prompt); each row's bits are the same in every case.
     Differentiable (backward: plain softmax attention in fp32).
     """
-    _check(q, k_cache, v_cache, q_positions)
+    check_inputs(q, k_cache, v_cache, q_positions)
     odt = out_dtype or q.dtype
     pos = q_positions.to(torch.long)
 
@@ -141,7 +141,7 @@ def attention(
         return _attention_fwd(q_, k_, v_, pos, scale, odt)
 
     def ref(q_, k_, v_):
-        return _attention_ref(q_, k_, v_, pos, scale, odt)
+        return attention_reference(q_, k_, v_, pos, scale, odt)
 
     return with_reference_grad(fwd, ref, q, k_cache, v_cache)
 
@@ -222,7 +222,7 @@ def varlen_attention(
             return _packed_fwd(q_, k_, v_, cq[:-1], nqs, ck[:-1], pos, scale, odt)
 
         def ref(q_, k_, v_):
-            return torch.cat([_attention_ref(q_[cq[b]:cq[b + 1]], k_[ck[b]:ck[b + 1]], v_[ck[b]:ck[b + 1]],
+            return torch.cat([attention_reference(q_[cq[b]:cq[b + 1]], k_[ck[b]:ck[b + 1]], v_[ck[b]:ck[b + 1]],
                                              pos[cq[b]:cq[b + 1]], scale, odt) for b in range(len(nqs))])
 
         return with_reference_grad(fwd, ref, q, k, v)
@@ -285,7 +285,7 @@ def attention_packed(
             for a, n, kb in zip(qs, ns, ks):
                 if n:
                     L = int(pos[a:a + n].max()) + 1
-                    o[a:a + n] = _attention_ref(q_[a:a + n], k_[kb:kb + L], v_[kb:kb + L], pos[a:a + n], scale, odt)
+                    o[a:a + n] = attention_reference(q_[a:a + n], k_[kb:kb + L], v_[kb:kb + L], pos[a:a + n], scale, odt)
             return o
 
         return with_reference_grad(fwd, ref, q, k, v)

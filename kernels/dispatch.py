@@ -142,7 +142,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_p
         return _attn.attention(q, k_cache, v_cache, q_positions, scale, out_dtype=out_dtype)
     from .triton.attn import attention as tattn
 
-    _attn._check(q, k_cache, v_cache, q_positions)
+    _attn.check_inputs(q, k_cache, v_cache, q_positions)
     odt = out_dtype or q.dtype
     pos = q_positions.to(torch.long)
 
@@ -150,7 +150,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_p
         c = lambda t: t if t.stride(-1) == 1 else t.contiguous()  # noqa: E731
         return tattn(c(q_), c(k_), c(v_), pos, scale, out_dtype=odt)
 
-    return with_reference_grad(fwd, lambda q_, k_, v_: _attn._attention_ref(q_, k_, v_, pos, scale, odt),
+    return with_reference_grad(fwd, lambda q_, k_, v_: _attn.attention_reference(q_, k_, v_, pos, scale, odt),
                                q, k_cache, v_cache)
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import with_reference_grad
-from .gemm import _partial_fp32
+from .gemm import partial_fp32
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "BLOCK", "ACT_EPS",
@@ -127,7 +127,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     acc = torch.zeros(M, N, dtype=torch.float32, device=xq.device)
     for i, k0 in enumerate(range(0, K, block)):
         k1 = min(K, k0 + block)
-        d = _partial_fp32(x32[:, k0:k1], w32[:, k0:k1])  # [M, N] fixed tree over the block
+        d = partial_fp32(x32[:, k0:k1], w32[:, k0:k1])  # [M, N] fixed tree over the block
         acc = acc + d * (xs32[:, i : i + 1] * ws_rows[:, i][None, :])
     if bias is not None:
         acc = acc + bias.to(torch.float32)

@@ -52,7 +52,7 @@ def _acc_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def _partial_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def partial_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, N] = tree over K of x2[M, K] * w[N, K] (both already in the accumulation dtype).
 
     fp32 CPU tensors go to the compiled kernel (:mod:`kernels._native`: the same operations in the
@@ -65,7 +65,7 @@ def _partial_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _partial_fp32_torch(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The torch reference of :func:`_partial_fp32`: explicit products, :func:`tree_sum` over K."""
+    """The torch reference of :func:`partial_fp32`: explicit products, :func:`tree_sum` over K."""
     M, K = x2.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
@@ -100,7 +100,7 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, K).to(acc)
     w = weight.to(acc)
     with torch.no_grad():
-        out = _partial_fp32(x2, w)
+        out = partial_fp32(x2, w)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -151,7 +151,7 @@ def linear(
     def fwd(x_, w_, b_):
         x2 = x_.reshape(-1, K).to(acc)
         w32 = w_.to(acc)
-        parts = [_partial_fp32(x2[:, a:b], w32[:, a:b]) for a, b in segs]
+        parts = [partial_fp32(x2[:, a:b], w32[:, a:b]) for a, b in segs]
         y = finish_linear(sum_partials(parts), b_, odt)
         return y.reshape(*x_.shape[:-1], N)
 

@@ -24,13 +24,8 @@ ALLOWED_CYCLES: list[set[str]] = []
 # Modules being rewritten around one rollout client / weight-transport seam (issue 16); their
 # private-name uses (engine `_rpc`, `_guard`, `_version`, ...) disappear with that rewrite.
 ALLOWED_PRIVATE_USERS: set[str] = set()
-# (user, owner) pairs: kernels/attn.py and kernels/gemm.py are being rewritten for CPU speed by
-# another engineer (issue 16); give `_check`, `_attention_ref` and `_partial_fp32` public names
-# there once that lands, then delete these.
-ALLOWED_PRIVATE_PAIRS = {
-    ("kernels.dispatch", "kernels.attn"),
-    ("kernels.fp8", "kernels.gemm"),
-}
+# (user, owner) pairs allowed to share a private name: none left.
+ALLOWED_PRIVATE_PAIRS: set[tuple[str, str]] = set()
 
 
 @dataclass
