@@ -44,6 +44,7 @@ from megatron_rz.diagnostics import RunningRatio, mismatch_stats
 from megatron_rz.guards import install_nonfinite_guard
 from megatron_rz.losses import group_advantages, make_loss_fn
 from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
+from megatron_rz.ranks import broadcast_object as broadcast, rank
 from megatron_rz.recipe import Recipe, dump_recipe
 from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
 from megatron_rz.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
@@ -104,22 +105,6 @@ def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
         if dist.is_initialized():
             dist.barrier()
     return base
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def broadcast(obj):
-    """``obj`` of global rank 0 on every rank (pickled; a no-op on one rank)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
-
-
-_rank, _broadcast = rank, broadcast  # the old names (rz check and the localiser import them)
 
 
 class RankZeroStopped(RolloutProcessError):
