@@ -54,7 +54,7 @@ from typing import Any
 from vllm_bridge.engine import RolloutEngineError
 from vllm_bridge.samples import Sample
 from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, FilesystemTransport, WeightUpdate, check_weights,
-                                   iter_buckets, readable)
+                                   iter_buckets, readable, stage_and_commit)
 from vllm_bridge.worker_ext import is_readable_name
 
 SERVERS_DIR = "rollout/servers"  # RUN_DIR/rollout/servers/<node>.json, written by each server when ready
@@ -341,19 +341,10 @@ class RolloutClient:
                        "resume")
 
     def _apply_one(self, server: _Http, paths: list[str], version: int, reload: bool) -> dict:
-        server.rpc("rz_abort_weights")
-        try:
-            for p in paths:
-                server.rpc("rz_stage_weights", str(p))
-            info = server.rpc("rz_commit_weights", int(version), bool(reload))[0]
-        except BaseException:
-            if not server.dead:
-                with contextlib.suppress(Exception):
-                    server.rpc("rz_abort_weights")
-            raise
+        info = stage_and_commit(server.rpc, paths, version, reload=reload, alive=lambda: not server.dead)
         server.request("POST", "/update_weight_version", {"new_version": str(int(version))}, timeout=60)
         server.request("POST", "/reset_prefix_cache", timeout=60)
-        return info if isinstance(info, dict) else {}
+        return info
 
     def apply_weights(self, payloads: Iterable[str | os.PathLike | bytes], version: int, *, reload: bool = True) -> dict:
         """The staging protocol on every server; ``payloads`` are safetensors bucket files on a
