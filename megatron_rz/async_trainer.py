@@ -173,8 +173,13 @@ class _ProcessLoop:
             else:
                 raise RuntimeError(f"rollout: unknown control message {msg[0]!r}")
 
+    def swap_waits(self) -> bool:
+        """Newest weights received but not appliable yet: this vLLM cannot swap under requests in
+        flight (StreamingGenerator.in_flight_swaps), so submission pauses until they finish."""
+        return self.newest is not None and not self.gen.in_flight_swaps and self.gen.num_in_flight() > 0
+
     def apply_newest(self) -> None:
-        if self.newest is None:
+        if self.newest is None or self.swap_waits():
             return
         v, paths = self.newest
         self.newest = None
@@ -209,7 +214,7 @@ class _ProcessLoop:
         while not self.stopping:
             self.poll_control(0)
             self.apply_newest()
-            while p.next_submit < p.total and p.allowed(p.next_submit):
+            while not self.swap_waits() and p.next_submit < p.total and p.allowed(p.next_submit):
                 p.submit_batch(p.next_submit)
             if self.gen.num_in_flight():
                 for fg in self.gen.step():

@@ -40,6 +40,7 @@ possible; arithmetic prompts are shorter than one KV block, so no prompt block i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from typing import Any, Iterable
 
 import torch
 
+from vllm_bridge import vllm_compat
 from vllm_bridge.engine import RolloutEngine, RolloutEngineError
 from vllm_bridge.samples import Sample
 from vllm_bridge.transport import WeightUpdate, iter_buckets, to_safetensors
@@ -113,6 +115,10 @@ class StreamingGenerator:
         self._reqs: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.swaps: list[dict] = []
+        # vLLM 0.32 labels each engine step with a weight version; 0.26 (CUDA) cannot
+        # (vllm_compat item 4): there, weights change only when nothing is in flight, so every
+        # token of a request has the version it was submitted under.
+        self.in_flight_swaps = vllm_compat.can_label_weight_versions(self._llm_engine)
         self._label(engine.weight_version)
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -122,7 +128,7 @@ class StreamingGenerator:
 
     def _label(self, version: int) -> None:
         with self.engine.guard("set_weight_version"):
-            self._llm_engine.set_weight_version(str(int(version)))
+            vllm_compat.set_weight_version(self._llm_engine, version)
 
     @property
     def version(self) -> int:
@@ -204,7 +210,9 @@ class StreamingGenerator:
                 comp.logprobs.extend(float(d[t].logprob) for t, d in zip(new_ids, lps))
                 if c.finish_reason is not None:
                     comp.finish_reason = str(c.finish_reason)
-                    comp.versions = spans_to_versions(c.weight_versions, len(comp.token_ids))
+                    n_tok = len(comp.token_ids)
+                    comp.versions = (spans_to_versions(c.weight_versions, n_tok) if self.in_flight_swaps
+                                     else [req.submit_version] * n_tok)
             if req.finished:
                 del self._reqs[out.request_id]
                 done.append(self._finish(req))
@@ -263,12 +271,17 @@ class StreamingGenerator:
         if (update is None) == (named_tensors is None):
             raise ValueError("swap_weights: give exactly one of update=, path= or named_tensors=")
         eng = self.engine
+        if self._reqs and not self.in_flight_swaps:
+            raise RolloutEngineError(
+                f"swap_weights with {len(self._reqs)} requests in flight needs vLLM's per-step weight-version "
+                f"labels (vLLM {vllm_compat.vllm_version()} has none): drain() first")
         t0 = time.perf_counter()
         if update is not None:
             payloads = list(update.paths)
         else:
             payloads = (to_safetensors(b) for b in iter_buckets(named_tensors, eng.bucket_bytes))
-        with eng.paused():
+        # nothing in flight: no engine step can run, so there is nothing to pause
+        with eng.paused() if self._reqs else contextlib.nullcontext():
             t1 = time.perf_counter()
             info = eng.apply_weights(payloads, version)
         rec = {

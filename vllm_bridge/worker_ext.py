@@ -33,8 +33,11 @@ READABLE_SUFFIXES = (
 
 
 def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
-    """Two float64 checksums: the plain sum and a position-weighted sum (catches permutations)."""
-    x = t.detach().reshape(-1).to(torch.float64)
+    """Two float64 checksums: the plain sum and a position-weighted sum (catches permutations).
+
+    Computed on the CPU whatever the tensor's device, so the learner's (CUDA or CPU) and the
+    engine's (CUDA or CPU) checksums of the same values are summed in one order."""
+    x = t.detach().reshape(-1).to("cpu", torch.float64)
     w = (torch.arange(x.numel(), dtype=torch.float64) % 1009 + 1.0) / 1009.0
     return float(x.sum()), float((x * w).sum())
 

@@ -12,7 +12,10 @@
 #   check  `rz check` (Megatron learner on the GPU beside the aligned CUDA engine, CUDA graphs)
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
 #   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers)
-#   train  `rz train` on the GPU, aligned, a few sync updates and a few async (lag 2) ones
+#   train  `rz train` on the GPU: aligned sync, aligned async (lag 2), fast sync; per-update D3 / bitwise
+#   bench_dsv3  rollout time aligned vs stock on the DeepSeek-V3-shaped dsv3_4l (batch 256, 32, 1)
+#   bench_long  moe1b with 1024-token prompts (256 x 1024 x 128) and 1024 new tokens (32 x 64 x 1024)
+#   profile_small  per-kernel split of the batch-32 cell, aligned and stock
 #   bench  rollout time aligned vs stock on moe1b (batch 256 with 7 rounds, then 32 and 1)
 #   profile  per-kernel split of the batch-256 cell, aligned and stock
 set -u
@@ -45,11 +48,43 @@ run_stage() {
         cp "$rd/check.json" "$d/$r.check.json" 2>/dev/null
       done ;;
     train)
-      local r=tiny_moe rd=gpu_runs/tiny_moe_train
-      timeout 300 rz train "recipes/$r.yaml" model.dtype=bfloat16 "logging.run_dir=$rd" schedule.steps=6 \
-        schedule.eval_every=3 logging.wandb=false > "$d/sync.log" 2>&1
-      echo "rc=$? sync" | tee -a "$d/summary.txt"; tail -5 "$d/sync.log" >> "$d/summary.txt"
-      cp "$rd/metrics.jsonl" "$d/sync_metrics.jsonl" 2>/dev/null ;;
+      # aligned sync (lag 0: every update bitwise), aligned async (lag 2), fast sync; base models carried
+      local r=tiny_moe
+      for v in "aligned 0 tiny_moe_train" "aligned 2 tiny_moe_train" "fast 0 tiny_moe_fast"; do
+        set -- $v
+        local rd=/root/runs/${r}_$1_lag$2
+        mkdir -p "$rd" && cp -r "gpu_runs/$3/base_model" "$rd/" 2>/dev/null
+        timeout 280 rz train "recipes/$r.yaml" mode=$1 model.dtype=bfloat16 "logging.run_dir=$rd" \
+          schedule.steps=${TRAIN_STEPS:-6} schedule.max_lag=$2 schedule.eval_every=0 logging.wandb=false \
+          > "$d/$1_lag$2.log" 2>&1
+        echo "rc=$? $1 lag $2" | tee -a "$d/summary.txt"
+        cp "$rd/metrics.jsonl" "$d/$1_lag$2.metrics.jsonl" 2>/dev/null
+        cp "$rd/summary.json" "$d/$1_lag$2.summary.json" 2>/dev/null
+        "$PY" - "$rd/metrics.jsonl" <<'PYEOF' | tee -a "$d/summary.txt"
+import json, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1])]
+except OSError:
+    sys.exit(0)
+for r in rows:
+    if "d3" in r:
+        print(f"  step {r['step']}: d3 {r['d3']:.3g} bitwise {r.get('frac_bitwise')} lag0 {r.get('lag0_pure_frac_bitwise')}"
+              f" reward {r.get('reward_mean'):.3f} t_step {r.get('time_step', 0):.2f}s t_learner {r.get('time_learner', 0):.2f}s")
+PYEOF
+        tail -c 600 "$d/$1_lag$2.log" | tr '\r' '\n' | tail -4 >> "$d/summary.txt"
+      done
+      set -- ;;
+    bench_dsv3)
+      "$PY" benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/dsv3_4l --out "$d/bench_dsv3_4l.json" \
+        --cells 256x64x128,32x64x128,1x64x128 --rounds 3 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | tail -15 ;;
+    bench_long)
+      "$PY" benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/moe1b --out "$d/bench_moe1b_long.json" \
+        --cells 256x1024x128,32x64x1024 --rounds 3 --mem-gb 30 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | tail -15 ;;
+    profile_small)
+      for e in aligned stock; do
+        "$PY" benchmarks/rollout_gpu.py profile --ckpt /root/ckpt/moe1b --out "$d/profile_32_$e.json" \
+          --cells 32x64x64 --engine $e 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | tail -30
+      done ;;
     bench)
       "$PY" benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/moe1b --out "$d/bench_moe1b_256.json" \
         --cells 256x64x128 --rounds 7 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | tail -15

@@ -124,6 +124,23 @@ def test_streaming_swap_mid_generation_records_two_versions(base_model):
         gen.submit([[5, 6, 7]], n=2, max_new_tokens=4, seed=1, tag="after")
         assert all(s.versions == [1] * len(s.versions) for fg in gen.drain() for s in fg.samples)
 
+        # A vLLM without per-step weight-version labels (CUDA vLLM 0.26): no swap under requests in
+        # flight (refused, nothing changes); after drain() the swap applies and every token carries
+        # the version its request was submitted under.
+        from vllm_bridge.engine import RolloutEngineError
+
+        gen.in_flight_swaps = False
+        gen.submit([[5, 6, 7]], n=2, max_new_tokens=8, seed=2, ignore_eos=True, tag="v1")
+        gen.step()
+        with pytest.raises(RolloutEngineError, match="in flight needs vLLM's per-step weight-version"):
+            gen.swap_weights(2, update=update)
+        assert eng.weight_version == 1
+        first = gen.drain()
+        assert [s.versions for fg in first for s in fg.samples] == [[1] * 8, [1] * 8]
+        assert gen.swap_weights(2, update=update)["in_flight"] == 0 and eng.weight_version == 2
+        gen.submit([[5, 6, 7]], n=1, max_new_tokens=3, seed=2, ignore_eos=True, tag="v2")
+        assert [s.versions for fg in gen.drain() for s in fg.samples] == [[2, 2, 2]]
+
 
 # ------------------------------------------------------------------------------ async run
 
