@@ -107,6 +107,12 @@ def _load(args):
 
     recipe = load_recipe(args.recipe, args.overrides)
     apply_runtime(recipe)
+    if recipe.warm_start.device == "cuda" and not recipe.model.pretrained:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RecipeError("warm_start.device=cuda but this machine has no CUDA device: run the recipe on "
+                              "a GPU machine or set warm_start.device=cpu")
     return recipe
 
 

@@ -21,8 +21,11 @@ def digest(obj) -> str:
 def base_model_hash(recipe: Recipe, seed: int) -> str:
     """Hash of everything the tiny base model is made from: model sizes and dtype, the task, the
     warm start and its seed (not model.fp8, applied per engine, nor model.pretrained)."""
+    ws = recipe.warm_start.model_dump()
+    if ws.get("device") == "cpu":  # the default before the field existed: earlier hashes still hold
+        ws.pop("device")
     return digest({"format": BASE_FORMAT, "seed": int(seed), "task": recipe.task.model_dump(),
-                   "warm_start": recipe.warm_start.model_dump(),
+                   "warm_start": ws,
                    "model": recipe.model.model_dump(exclude={"pretrained", "fp8"})})
 
 

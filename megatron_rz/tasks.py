@@ -1,7 +1,9 @@
 """Verifiable tasks: prompts plus a reward function.
 
 A task is any object with `sample(rng, n)`, `eval_set()` and `reward(problem, response_text)`.
-The built-in one is multi-digit arithmetic with exact-match reward. A user task plugs in through
+Built in: `arithmetic` (multi-digit arithmetic, exact-match reward; answers of a few tokens) and
+`chain_sum` (the sum of many numbers written out step by step: answers of 100+ tokens, reward on
+the final total). A user task plugs in through
 the recipe as `task.name: "my_pkg.my_module:make_task"`; the factory receives the TaskConfig.
 """
 
@@ -99,12 +101,92 @@ class Arithmetic:
         return None if wrong == problem.answer else wrong
 
 
+class ChainSum:
+    """`a1+a2+...+an=` -> the running sum worked out step by step, `a1+a2=s2;s2+a3=s3;...`.
+
+    ``terms`` numbers of up to ``digits`` digits (task.kwargs ``terms``, default 12); one token per
+    character (the tokenizer splits digits and punctuation), so 12 two-digit terms give answers of
+    ~130 tokens: long responses whose logprobs are summed over many decode steps. Reward 1.0 when
+    the last step's total is the true sum (the verifier reads only the final number, as a math
+    grader does); a response that does not end in `=<digits>` gets 0. ``distractor``: every step
+    added without carrying, the mistake the warm start plants for RL to overturn.
+    """
+
+    SEP = ";"
+
+    def __init__(self, digits: int = 2, eval_prompts: int = 200, seed: int = 1234, terms: int = 12):
+        if int(terms) < 2:
+            raise RecipeError(f"task.kwargs.terms={terms} must be >= 2 for chain_sum")
+        self.digits, self.terms = digits, int(terms)
+        self._eval = [self._one(random.Random(seed * 7919 + i)) for i in range(eval_prompts)]
+        self._eval_prompts = {p.prompt for p in self._eval}
+
+    def _numbers(self, rng: random.Random) -> list[int]:
+        return [rng.randint(1, 10**self.digits - 1) for _ in range(self.terms)]
+
+    @staticmethod
+    def worked(nums: list[int], add=lambda x, y: x + y) -> str:
+        steps, s = [], nums[0]
+        for a in nums[1:]:
+            t = add(s, a)
+            steps.append(f"{s}+{a}={t}")
+            s = t
+        return ChainSum.SEP.join(steps)
+
+    def _one(self, rng: random.Random) -> Problem:
+        nums = self._numbers(rng)
+        return Problem("+".join(map(str, nums)) + "=", self.worked(nums))
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        out: list[Problem] = []
+        while len(out) < n:
+            p = self._one(rng)
+            if p.prompt not in self._eval_prompts:
+                out.append(p)
+        return out
+
+    def eval_set(self) -> list[Problem]:
+        return list(self._eval)
+
+    @staticmethod
+    def final_total(text: str) -> str | None:
+        head, eq, tail = text.strip().rpartition("=")
+        return tail if eq and tail.isdigit() else None
+
+    def reward(self, problem: Problem, response: str) -> float:
+        got = self.final_total(response)
+        return 1.0 if got is not None and got == self.final_total(problem.answer) else 0.0
+
+    def corpus(self, rng: random.Random, n: int) -> list[str]:
+        return [p.prompt + p.answer for p in self.sample(rng, n)]
+
+    def distractor(self, problem: Problem) -> str | None:
+        def no_carry(x: int, y: int) -> int:
+            a, b = str(x), str(y).zfill(len(str(x)))
+            a = a.zfill(len(b))
+            return int("".join(str((int(u) + int(v)) % 10) for u, v in zip(a, b)))
+
+        nums = [int(v) for v in problem.prompt.rstrip("=").split("+")]
+        wrong = self.worked(nums, no_carry)
+        return None if self.final_total(wrong) == self.final_total(problem.answer) else wrong
+
+
+BUILTIN = ("arithmetic", "chain_sum")
+
+
 def make_task(cfg: TaskConfig) -> Task:
     if cfg.name == "arithmetic":
         return Arithmetic(cfg.digits, cfg.ops, cfg.eval_prompts, cfg.seed, **cfg.kwargs)
+    if cfg.name == "chain_sum":
+        if cfg.ops != ["+"]:
+            raise RecipeError(f"task.ops={cfg.ops} is not supported by chain_sum (sums only): drop task.ops")
+        try:
+            return ChainSum(cfg.digits, cfg.eval_prompts, cfg.seed, **cfg.kwargs)
+        except TypeError as e:
+            raise RecipeError(f"task.kwargs for chain_sum: {e} (it takes terms)") from None
     if ":" not in cfg.name:
         raise RecipeError(
-            f"task.name={cfg.name!r} is neither a built-in task ('arithmetic') nor an import path "
+            f"task.name={cfg.name!r} is neither a built-in task {BUILTIN} nor an import path "
             "'package.module:factory'"
         )
     mod_name, _, attr = cfg.name.partition(":")

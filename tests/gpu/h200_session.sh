@@ -13,6 +13,7 @@
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
 #   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers)
 #   train  `rz train` on the GPU: aligned sync, aligned async (lag 2), fast sync; per-update D3 / bitwise
+#   d3     the D3 experiment on recipes/gpu_moe.yaml: GPU warm start, aligned and fast at lag 2
 #   bench_dsv3  rollout time aligned vs stock on the DeepSeek-V3-shaped dsv3_4l (batch 256, 32, 1)
 #   bench_long  moe1b with 1024-token prompts (256 x 1024 x 128) and 1024 new tokens (32 x 64 x 1024)
 #   profile_small  per-kernel split of the batch-32 cell, aligned and stock
@@ -74,6 +75,28 @@ PYEOF
         tail -c 600 "$d/$1_lag$2.log" | tr '\r' '\n' | tail -4 >> "$d/summary.txt"
       done
       set -- ;;
+    d3)
+      # the D3 experiment (issue 17) on recipes/gpu_moe.yaml: one warm start on the GPU, then aligned
+      # and fast at lag 2 from the same base model, each for D3_S seconds (SIGTERM: the trainer stops
+      # at an update boundary); metrics per update under $OUT/d3/
+      local base=/root/runs/gpu_moe_base/base_model
+      if [ ! -f "$base/config.json" ]; then
+        local t1=$SECONDS
+        timeout 400 rz make-model recipes/gpu_moe.yaml --out "$base" > "$d/warm_start.log" 2>&1
+        echo "rc=$? warm start in $((SECONDS - t1)) s" | tee -a "$d/summary.txt"
+        tail -c 400 "$d/warm_start.log" | tr '\r' '\n' | tail -2 | tee -a "$d/summary.txt"
+        cp "$base/warm_start.json" "$d/" 2>/dev/null
+      fi
+      for mode in ${D3_MODES:-aligned fast}; do
+        local rd=/root/runs/gpu_moe_${mode}_lag${D3_LAG:-2}
+        mkdir -p "$rd" && cp -r "$base" "$rd/"
+        timeout -s TERM -k 60 "${D3_S:-240}" rz train recipes/gpu_moe.yaml mode=$mode "logging.run_dir=$rd" \
+          schedule.max_lag=${D3_LAG:-2} schedule.steps=${D3_STEPS:-400} logging.wandb=false > "$d/$mode.log" 2>&1
+        echo "rc=$? gpu_moe $mode lag ${D3_LAG:-2}" | tee -a "$d/summary.txt"
+        for f in metrics.jsonl summary.json run.json; do cp "$rd/$f" "$d/$mode.$f" 2>/dev/null; done
+        cp -r "$rd/plots" "$d/$mode.plots" 2>/dev/null
+        tail -c 800 "$d/$mode.log" | tr '\r' '\n' | tail -4 >> "$d/summary.txt"
+      done ;;
     bench_dsv3)
       "$PY" benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/dsv3_4l --out "$d/bench_dsv3_4l.json" \
         --cells 256x64x128,32x64x128,1x64x128 --rounds 3 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | tail -15 ;;

@@ -7,6 +7,7 @@ import), from an empty working directory whose tree is compared before and after
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,8 @@ CASES = [
     (["plot", "foreign"], ["line 1", "not a metrics row"]),
     (["plot", "run", "foreign", "--labels", "a,b,c"], ["3 labels", "2 run dirs"]),
 ]
+if shutil.which("nvidia-smi") is None:  # a GPU recipe's warm start on a machine without CUDA
+    CASES.append((["train", str(ROOT / "recipes" / "gpu_moe.yaml")], ["warm_start.device=cuda", "no CUDA device"]))
 
 
 def _tree(root: Path) -> dict:

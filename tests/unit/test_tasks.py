@@ -86,3 +86,41 @@ def test_our_kernels_package_does_not_shadow_huggingface_kernels():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_chain_sum_worked_answers_reward_and_distractor(tmp_path):
+    import pytest
+
+    from megatron_rz.recipe import RecipeError, load_recipe
+
+    task = make_task(TaskConfig(name="chain_sum", digits=2, eval_prompts=50, kwargs={"terms": 14}))
+    p = task.sample(random.Random(0), 1)[0]
+    nums = [int(v) for v in p.prompt.rstrip("=").split("+")]
+    assert len(nums) == 14 and all(1 <= v <= 99 for v in nums)
+    steps = p.answer.split(";")
+    assert len(steps) == 13 and steps[-1].endswith(f"={sum(nums)}")
+    for s in steps:  # every step is a true addition
+        lhs, rhs = s.split("=")
+        assert sum(map(int, lhs.split("+"))) == int(rhs)
+    assert task.reward(p, p.answer) == 1.0
+    assert task.reward(p, f"bogus=1;={sum(nums)}") == 1.0  # the verifier reads the final total only
+    assert task.reward(p, p.answer + "1") == 0.0 and task.reward(p, p.answer[:-1] + "+") == 0.0
+    assert task.reward(p, "") == 0.0
+    wrong = task.distractor(p)
+    assert wrong is not None and task.reward(p, wrong) == 0.0
+    assert wrong.split(";")[0] == f"{nums[0]}+{nums[1]}=" + "".join(
+        str((int(a) + int(b)) % 10) for a, b in zip(str(nums[0]).zfill(2), str(nums[1]).zfill(2))).lstrip("0")
+    # held-out prompts never appear in training draws
+    held = {q.prompt for q in task.eval_set()}
+    assert len(held) == 50 and not held & {q.prompt for q in task.sample(random.Random(1), 2000)}
+    # the GPU recipe's answers are >= 127 characters, one token each (digits and punctuation split)
+    gpu = load_recipe("recipes/gpu_moe.yaml")
+    gtask = make_task(gpu.task)
+    tok = train_tokenizer(gtask, gpu.warm_start.tokenizer_vocab, tmp_path)
+    lens = [len(tok.encode(q.answer, add_special_tokens=False)) for q in gtask.sample(random.Random(2), 200)]
+    assert min(lens) >= 120 and sum(lens) / len(lens) >= 128
+    assert max(len(tok.encode(q.prompt + q.answer)) for q in gtask.sample(random.Random(3), 200)) < 200
+    with pytest.raises(RecipeError, match="terms"):
+        make_task(TaskConfig(name="chain_sum", kwargs={"terms": 1}))
+    with pytest.raises(RecipeError, match="task.ops"):
+        make_task(TaskConfig(name="chain_sum", ops=["*"]))
