@@ -334,6 +334,9 @@ class WarmStartConfig(_Strict):
     # prefers the mistake, so RL (which only sees the exact-match reward) has to overturn its
     # imitation: the embedded demo's stand-in for a base model that is capable but unreliable.
     distractor_rate: float = 0.0
+    # Where the warm start trains: "cpu" (the tiny recipes: seconds) or "cuda" (the GPU recipes'
+    # ~100M-1B models; fp32 master weights, bf16 autocast).
+    device: Literal["cpu", "cuda"] = "cpu"
 
     @field_validator("distractor_rate")
     @classmethod

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_rz.fingerprint import base_model_hash
-from megatron_rz.recipe import ModelConfig, Recipe
+from megatron_rz.recipe import ModelConfig, Recipe, RecipeError
 from megatron_rz.tasks import Task, make_task
 
 EOS = "<|endoftext|>"
@@ -277,7 +277,12 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
     rng = random.Random(seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, ws.steps))))
-    model.train()
+    device = torch.device(ws.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("warm_start.device=cuda but no CUDA device is visible: set warm_start.device=cpu")
+    model.to(device).train()
+    # bf16 autocast on the GPU (fp32 master weights and optimizer state)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     losses = []
     # A tiny model's ops are too small to share between threads; with 2+ intra-op threads any
     # other busy process on a 2-core box makes OpenMP spin-waits thrash (measured 50x slower).
@@ -293,8 +298,9 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
                 wrong = distractor(p)
                 if wrong is not None and rng.random() < ws.distractor_rate:
                     answers[i] = wrong
-        ids, mask = _sft_batch(tok, problems, answers)
-        logits = model(input_ids=ids).logits[:, :-1].float()
+        ids, mask = (t.to(device) for t in _sft_batch(tok, problems, answers))
+        with autocast:
+            logits = model(input_ids=ids).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
         opt.zero_grad()
@@ -302,10 +308,12 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        losses.append(loss.detach())
+        if len(losses) % 20 == 0 or len(losses) == ws.steps:  # one host sync per 20 steps
+            bar.set_postfix(loss=f"{losses[-1].item():.3f}")
+    losses = [float(v) for v in losses[-10:]]
     torch.set_num_threads(threads)
-    model.eval()
+    model.to("cpu").eval()
     save_hf_checkpoint(model.to(getattr(torch, recipe.model.dtype)), out_dir, recipe.model.arch)
     info = {"sft_steps": ws.steps, "sft_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}
     info["base_hash"] = base_model_hash(recipe, seed)  # what made it: reused only by recipes of this hash
