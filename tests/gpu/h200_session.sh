@@ -51,8 +51,9 @@ run_stage() {
     train)
       # aligned sync (lag 0: every update bitwise), aligned async (lag 2), fast sync; base models carried
       local r=tiny_moe
-      for v in "aligned 0 tiny_moe_train" "aligned 2 tiny_moe_train" "fast 0 tiny_moe_fast"; do
-        set -- $v
+      local variants=${TRAIN_VARIANTS:-"aligned:0:tiny_moe_train aligned:2:tiny_moe_train fast:0:tiny_moe_fast"}
+      for v in $variants; do
+        set -- ${v//:/ }
         local rd=/root/runs/${r}_$1_lag$2
         mkdir -p "$rd" && cp -r "gpu_runs/$3/base_model" "$rd/" 2>/dev/null
         timeout 280 rz train "recipes/$r.yaml" mode=$1 model.dtype=bfloat16 "logging.run_dir=$rd" \
@@ -87,7 +88,7 @@ PYEOF
         tail -c 400 "$d/warm_start.log" | tr '\r' '\n' | tail -2 | tee -a "$d/summary.txt"
         cp "$base/warm_start.json" "$d/" 2>/dev/null
       fi
-      for mode in ${D3_MODES:-aligned fast}; do
+      for mode in ${D3_MODES-aligned fast}; do
         local rd=/root/runs/gpu_moe_${mode}_lag${D3_LAG:-2}
         mkdir -p "$rd" && cp -r "$base" "$rd/"
         timeout -s TERM -k 60 "${D3_S:-240}" rz train recipes/gpu_moe.yaml mode=$mode "logging.run_dir=$rd" \
