@@ -561,7 +561,7 @@ def aligned_layer_spec(spec, model_cfg, norm_cls, core_cls):
     spec = copy.deepcopy(spec)  # never mutate specs megatron might share between calls
     _rewrite(spec, table, norm_cls, core_cls)
     attn = spec.submodules.self_attention.submodules
-    if m.arch == "qwen3_moe":
+    if m.arch in ("qwen3_moe", "qwen2"):  # RoPE inside the aligned core attention (Qwen2: after the biased qkv)
         attn.core_attention = ModuleSpec(module=AlignedCoreAttention,
                                          params={"rope_dim": m.head_dim, "rope_base": float(m.rope_theta)})
     mlp = spec.submodules.mlp

@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-Core weight layout for the two architectures (qwen3_moe, deepseek_v3).
+"""Hugging Face <-> Megatron-Core weight layout for qwen3_moe, qwen2 (dense) and deepseek_v3.
 
 Names on the Hugging Face side are the checkpoint names (`model.safetensors`, one tensor per
 expert projection), the names vLLM's loader and `from_pretrained` read.
@@ -7,8 +7,9 @@ Every Megatron parameter is described by a `_Rule`: which HF tensors make its fu
 TP=1) Megatron tensor, how to cut that into tensor-parallel shards, and whether it belongs to an
 expert (then the TP group is the expert-TP group, and experts are numbered globally as
 ep_rank * experts_per_rank + local index). Layout facts encoded here:
-- fused QKV (`linear_qkv`, Qwen3): per query group g, [q heads of g; k_g; v_g] along the rows,
-  so a contiguous row split gives each TP rank whole groups;
+- fused QKV (`linear_qkv`, Qwen3 / Qwen2): per query group g, [q heads of g; k_g; v_g] along the rows,
+  so a contiguous row split gives each TP rank whole groups; Qwen2's q/k/v biases are fused into
+  `linear_qkv.bias` in the same row order;
 - gated MLP `linear_fc1` = [gate; up]; each TP rank holds [gate shard; up shard];
 - row-parallel layers (`linear_proj`, `linear_fc2`) split columns; column-parallel and the
   vocab-parallel embedding / output layer split rows; norms, router and expert bias are replicated;
@@ -38,18 +39,20 @@ class _Rule:
 
 
 def _qkv_merge(m: ModelConfig, q, k, v):
+    """HF q [Hq*D, ...], k, v [Hkv*D, ...] (weights [., H] or biases [.]) -> Megatron's grouped rows."""
     ng, hn = m.num_kv_heads, m.head_dim
     per = m.num_attention_heads // ng
-    h = q.shape[-1]
-    return torch.cat([q.view(ng, per * hn, h), k.view(ng, hn, h), v.view(ng, hn, h)], dim=1).reshape(-1, h)
+    tail = q.shape[1:]
+    parts = [q.reshape(ng, per * hn, *tail), k.reshape(ng, hn, *tail), v.reshape(ng, hn, *tail)]
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
 def _qkv_split(m: ModelConfig, w):
     ng, hn = m.num_kv_heads, m.head_dim
     per = m.num_attention_heads // ng
-    h = w.shape[-1]
-    q, k, v = w.view(ng, (per + 2) * hn, h).split([per * hn, hn, hn], dim=1)
-    return [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]
+    tail = w.shape[1:]
+    q, k, v = w.reshape(ng, (per + 2) * hn, *tail).split([per * hn, hn, hn], dim=1)
+    return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -76,6 +79,10 @@ def _rule(name: str, m: ModelConfig, ep_rank: int, experts_per_rank: int) -> _Ru
         # Qwen3 attention
         "self_attention.linear_qkv.weight": _Rule(
             [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"], "qkv"
+        ),
+        # Qwen2 attention biases
+        "self_attention.linear_qkv.bias": _Rule(
+            [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"], "qkv"
         ),
         # MLA (DeepSeek-V3); q_layernorm is Qwen3's q_norm or MLA's q_a_layernorm
         "self_attention.q_layernorm.weight": _Rule(

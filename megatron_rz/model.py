@@ -194,7 +194,7 @@ def transformer_config(m: ModelConfig, parallel: ParallelConfig):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=m.arch == "qwen2",  # Qwen2: q/k/v biases (linear_qkv.bias), no other bias
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -240,8 +240,10 @@ def transformer_config(m: ModelConfig, parallel: ParallelConfig):
         moe_shared_expert_overlap=False,
         moe_permute_fusion=False,
     )
-    if m.arch == "qwen3_moe":
-        return TransformerConfig(**kw, qk_layernorm=True)
+    if not m.num_experts:  # a dense model (qwen2): no MoE settings at all (Megatron refuses them)
+        kw = {k: v for k, v in kw.items() if not k.startswith(("moe_", "num_moe_experts"))}
+    if m.arch in ("qwen3_moe", "qwen2"):
+        return TransformerConfig(**kw, qk_layernorm=m.arch == "qwen3_moe")
     return MLATransformerConfig(
         **kw,
         multi_latent_attention=True,
@@ -263,7 +265,7 @@ def _layer_spec(m: ModelConfig, moe: bool):
     from megatron.core.transformer.identity_op import IdentityOp
 
     spec = get_gpt_layer_local_spec(
-        num_experts=m.num_experts if moe else None,
+        num_experts=(m.num_experts or None) if moe else None,
         moe_grouped_gemm=False,
         qk_layernorm=m.arch == "qwen3_moe",
         multi_latent_attention=m.arch == "deepseek_v3",
@@ -277,7 +279,7 @@ def _layer_spec(m: ModelConfig, moe: bool):
     if m.arch == "qwen3_moe":
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
-    else:
+    elif m.arch == "deepseek_v3":
         from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 
         attn.kv_layernorm = RMSNorm
@@ -312,7 +314,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
     config = transformer_config(m, parallel)
     layer_specs = [_layer_spec(m, moe=i >= m.first_k_dense) for i in range(m.num_layers)]
     final_norm = RMSNorm
-    pos_emb = "rope" if m.arch == "qwen3_moe" else "none"
+    pos_emb = "rope" if m.arch in ("qwen3_moe", "qwen2") else "none"
     if mode == "aligned":
         from megatron_rz import aligned_spec
 

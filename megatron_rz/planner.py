@@ -86,6 +86,9 @@ def _attention_params(m: ModelConfig, layer: int) -> int:
     if m.arch == "qwen3_moe":  # GQA with per-head q/k RMSNorm
         d = m.head_dim
         return h * n * d + 2 * h * m.num_kv_heads * d + n * d * h + 2 * d + norms
+    if m.arch == "qwen2":  # GQA with q/k/v biases, no q/k norm
+        d = m.head_dim
+        return (h + 1) * (n + 2 * m.num_kv_heads) * d + n * d * h + norms
     if m.arch == "deepseek_v3":  # MLA
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = h * n * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * qk
@@ -163,7 +166,7 @@ def _bytes(dtype: str) -> int:
 def _act_elements_per_token(m: ModelConfig, moe_layer: bool) -> float:
     h, n = m.hidden_size, m.num_attention_heads
     a = 4 * h * (m.hc_mult if m.arch == "deepseek_v4" else 1)
-    if m.arch == "qwen3_moe":
+    if m.arch in ("qwen3_moe", "qwen2"):
         a += 2 * n * m.head_dim + 2 * m.num_kv_heads * m.head_dim
     elif m.arch == "deepseek_v3":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -181,7 +184,7 @@ def _act_elements_per_token(m: ModelConfig, moe_layer: bool) -> float:
 def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int) -> tuple[float, float]:
     """Rollout KV bytes per GPU: (per token, fixed per sequence)."""
     b = _bytes(m.dtype)
-    if m.arch == "qwen3_moe":
+    if m.arch in ("qwen3_moe", "qwen2"):
         heads = math.ceil(m.num_kv_heads / engine_tp)  # replicated when tp > kv heads
         return 2 * heads * m.head_dim * b * m.num_layers, 0.0
     if m.arch == "deepseek_v3":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_rz.recipe import Recipe, RecipeError
 
-ARCH_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+ARCH_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v4": "DeepseekV4ForCausalLM"}
 # config attributes that fix the network's shapes or numerics (compared where both configs have
 # them; read through transformers, which maps each release's key names, e.g. num_experts /
@@ -25,7 +25,8 @@ STRUCTURAL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
               "vocab_size", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
               "intermediate_size", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
               "routed_scaling_factor", "norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-              "qk_rope_head_dim", "v_head_dim", "tie_word_embeddings", "rms_norm_eps", "scoring_func")
+              "qk_rope_head_dim", "v_head_dim", "tie_word_embeddings", "rms_norm_eps", "scoring_func",
+              "use_sliding_window")
 
 
 _MISSING = object()

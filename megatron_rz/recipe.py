@@ -41,7 +41,8 @@ class ModelConfig(_Strict):
     """Architecture and sizes. `arch` picks the Hugging Face class both engines load natively."""
 
     # deepseek_v4: learner megatron_rz/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
-    arch: Literal["qwen3_moe", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
+    # qwen2: dense Qwen2ForCausalLM (q/k/v biases, no QK-norm; num_experts=0, head_dim = hidden / heads).
+    arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
     # A Hugging Face checkpoint directory to start from (config.json, *.safetensors, tokenizer; on a
     # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
     # section (megatron_rz/pretrained.py checks it before anything starts).
@@ -111,7 +112,16 @@ class ModelConfig(_Strict):
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}; pick num_kv_heads dividing it"
             )
-        if self.arch == "qwen3_moe" and self.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256):
+        if self.arch == "qwen2":
+            if self.num_experts or self.top_k:
+                raise ValueError(f"model.arch=qwen2 is dense: set model.num_experts=0 and model.top_k=0 "
+                                 f"(got {self.num_experts}, {self.top_k})")
+            if self.head_dim * self.num_attention_heads != self.hidden_size:
+                raise ValueError(
+                    f"model.arch=qwen2 has head_dim = hidden_size / num_attention_heads: model.head_dim={self.head_dim} "
+                    f"x {self.num_attention_heads} heads != hidden_size={self.hidden_size}; set model.head_dim="
+                    f"{self.hidden_size // self.num_attention_heads}")
+        if self.arch in ("qwen3_moe", "qwen2") and self.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256):
             raise ValueError(
                 f"head_dim={self.head_dim}: vLLM's CPU attention supports head_dim in "
                 "{32, 64, 80, 96, 112, 128, 160, 192, 224, 256}; set model.head_dim=32 or 64"

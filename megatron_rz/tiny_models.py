@@ -65,6 +65,8 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
     )
     if m.arch == "deepseek_v4":
         return _deepseek_v4_config(m, eos_id, pad_id)
+    if m.arch == "qwen2":
+        return _qwen2_config(m, eos_id, pad_id)
     if m.arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -99,6 +101,29 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
     cfg.topk_method = "noaux_tc"
     cfg.scoring_func = m.router_score
     return cfg
+
+
+def _qwen2_config(m: ModelConfig, eos_id: int, pad_id: int):
+    """transformers' Qwen2Config (dense; q/k/v biases are implied by the class; head_dim = hidden / heads)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.dense_ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.rms_norm_eps,
+        tie_word_embeddings=m.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        use_sliding_window=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=eos_id,
+        dtype=m.dtype,
+    )
 
 
 def _deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
@@ -156,10 +181,11 @@ def _deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
 
 
 def _hf_model_class(arch: str):
-    from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Qwen3MoeForCausalLM
+    from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     return {
         "qwen3_moe": Qwen3MoeForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
         "deepseek_v3": DeepseekV3ForCausalLM,
         "deepseek_v4": DeepseekV4ForCausalLM,
     }[arch]

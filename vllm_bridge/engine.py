@@ -106,6 +106,7 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 
 ALIGNED_CLASSES = {
     "Qwen3MoeForCausalLM": "RZAlignedQwen3MoeForCausalLM",
+    "Qwen2ForCausalLM": "RZAlignedQwen2ForCausalLM",
     "DeepseekV3ForCausalLM": "RZAlignedDeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM": "RZAlignedDeepseekV4ForCausalLM",
 }

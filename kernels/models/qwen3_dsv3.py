@@ -1,4 +1,4 @@
-"""Qwen3-MoE and DeepSeek-V3 (MLA): the aligned per-layer functions both engines run, and a full-sequence reference.
+"""Qwen3-MoE, dense Qwen2 and DeepSeek-V3 (MLA): the aligned per-layer functions both engines run, and a full-sequence reference.
 
 ``reference_logprobs(hf_dir_or_state_dict, config, input_ids[B, S], temperature) -> [B, S]`` with
 ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``out[:, 0] = 0``. Sequences are
@@ -21,8 +21,15 @@ float64 rounded once (``kernels.rope_cos_sin``); attention ``kernels.attention``
 ``(logits / T).log_softmax(-1, dtype=float32)`` -- the call vLLM's sampler makes with
 ``logprobs_mode="processed_logprobs"`` (``kernels.logprobs_from_logits``).
 
-Architecture semantics are Hugging Face's (transformers 5.19 Qwen3MoeForCausalLM and
-DeepseekV3ForCausalLM): checked against the transformers forward to ~1e-6 by the tests.
+Architecture semantics are Hugging Face's (transformers 5.19 Qwen3MoeForCausalLM, Qwen2ForCausalLM
+and DeepseekV3ForCausalLM): checked against the transformers forward to ~1e-6 by the tests.
+
+Qwen2 (``arch="qwen2"``, e.g. DeepSeek-R1-Distill-Qwen): dense SwiGLU MLP in every layer, q/k/v
+projections WITH biases, no q/k norm, neox RoPE, tied or untied embeddings, head_dim =
+hidden_size / num_attention_heads. The bias contract (both engines): ``kernels.linear(x, W, b)``,
+i.e. the fp32 K-reduction of the row, plus the bias converted to fp32, rounded once to the
+activation dtype -- the GEMM epilogue of every aligned linear (:func:`qwen2_qkv`). o_proj and the
+MLP have no bias.
 
 DeepSeek-V3 RoPE layout: with ``rope_interleave=True`` HF rotates the adjacent pairs of the rope
 dims and returns them *de-interleaved* (``[o1 (pairs' first), o2 (pairs' second)]``); the q.k dot
@@ -52,6 +59,7 @@ __all__ = [
     "reference_logprobs",
     "reference_logits",
     "qwen3_qkv",
+    "qwen2_qkv",
     "dsv3_qkv",
     "moe_qwen3",
     "moe_dsv3",
@@ -78,7 +86,7 @@ Getter = Callable[[str], torch.Tensor]
 class ArchConfig:
     """The fields of a Hugging Face config that the aligned forward needs, normalised."""
 
-    arch: str  # "qwen3_moe" | "deepseek_v3"
+    arch: str  # "qwen3_moe" | "qwen2" | "deepseek_v3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -170,6 +178,8 @@ def arch_config(config: Any) -> ArchConfig:
     archs = _get(config, "architectures", default=[]) or []
     if model_type == "qwen3_moe" or any("Qwen3Moe" in a for a in archs):
         arch = "qwen3_moe"
+    elif model_type == "qwen2" or any(a in ("Qwen2ForCausalLM", "RZAlignedQwen2ForCausalLM") for a in archs):
+        arch = "qwen2"
     elif model_type == "deepseek_v3" or any("DeepseekV3" in a for a in archs):
         arch = "deepseek_v3"
     else:
@@ -203,6 +213,14 @@ def arch_config(config: Any) -> ArchConfig:
             num_experts=n_exp,
             moe_layers=moe,
             score="softmax",
+        )
+    if arch == "qwen2":
+        if bool(_get(config, "use_sliding_window", default=False)):
+            raise NotImplementedError("aligned Qwen2: use_sliding_window=true is not supported (full attention only)")
+        return ArchConfig(
+            **common,
+            head_dim=common["hidden_size"] // common["num_heads"],
+            moe_layers=[False] * n_layers,
         )
     # deepseek_v3
     topk_method = _get(config, "topk_method", default="noaux_tc")
@@ -271,16 +289,19 @@ class FP8WeightCache:
         return get
 
 
-def project(c: ArchConfig, w: Getter, x: torch.Tensor, name: str, *, k_segments: int = 1) -> torch.Tensor:
+def project(c: ArchConfig, w: Getter, x: torch.Tensor, name: str, *, k_segments: int = 1,
+            bias: Optional[str] = None) -> torch.Tensor:
     """``x @ w(name).T`` rounded to ``x.dtype``: one of the projections a block-FP8 checkpoint keeps in
     FP8 (attention projections, dense / shared / routed expert linears). ``c.fp8 == "blockwise"``:
     ``kernels.fp8_linear`` with the quantised weight ``w(name + FP8_SUFFIX)`` (activations quantised
     per 1x128 group inside; its 128-K blocks are added in order, so ``k_segments`` does not apply);
-    otherwise ``kernels.linear(..., k_segments)``."""
+    otherwise ``kernels.linear(..., k_segments)``. ``bias``: the name of a bias added in fp32 after
+    the K reduction, before the one rounding (Qwen2's q/k/v)."""
+    b = None if bias is None else w(bias)
     if c.fp8 == "blockwise":
         wq, ws = w(name + FP8_SUFFIX)
-        return kernels.fp8_linear(x, wq, ws, out_dtype=x.dtype)
-    return kernels.linear(x, w(name), k_segments=k_segments)
+        return kernels.fp8_linear(x, wq, ws, b, out_dtype=x.dtype)
+    return kernels.linear(x, w(name), b, k_segments=k_segments)
 
 
 def rope_tables(c: ArchConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,6 +319,20 @@ def qwen3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin:
     v = project(c, w, x, "self_attn.v_proj.weight").view(T, c.num_kv_heads, D)
     q = kernels.rms_norm(q, w("self_attn.q_norm.weight"), c.rms_norm_eps)
     k = kernels.rms_norm(k, w("self_attn.k_norm.weight"), c.rms_norm_eps)
+    q = kernels.apply_rope(q, cos, sin, "neox")
+    k = kernels.apply_rope(k, cos, sin, "neox")
+    return q, k, v
+
+
+def qwen2_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Qwen2 attention input: ``x[T, H]`` (already input-layernormed) -> q [T, Hq, D], k [T, Hkv, D],
+    v [T, Hkv, D]: biased projections (fp32 accumulate + fp32 bias, one rounding), no q/k norm,
+    neox RoPE on q and k."""
+    T = x.shape[0]
+    D = c.head_dim
+    q = project(c, w, x, "self_attn.q_proj.weight", bias="self_attn.q_proj.bias").view(T, c.num_heads, D)
+    k = project(c, w, x, "self_attn.k_proj.weight", bias="self_attn.k_proj.bias").view(T, c.num_kv_heads, D)
+    v = project(c, w, x, "self_attn.v_proj.weight", bias="self_attn.v_proj.bias").view(T, c.num_kv_heads, D)
     q = kernels.apply_rope(q, cos, sin, "neox")
     k = kernels.apply_rope(k, cos, sin, "neox")
     return q, k, v
@@ -417,6 +452,8 @@ def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor, ep: Optio
 
 
 def qkv_forward(c: ArchConfig, w: Getter, x: torch.Tensor, cos, sin):
+    if c.arch == "qwen2":
+        return qwen2_qkv(c, w, x, cos, sin)
     return qwen3_qkv(c, w, x, cos, sin) if c.arch == "qwen3_moe" else dsv3_qkv(c, w, x, cos, sin)
 
 

@@ -139,3 +139,14 @@ def test_sampling_grid_is_bitwise_and_the_localiser_names_the_sampling_stage(moe
     assert loc["vllm"]["taps_equal_before"] == 14, loc  # 12 layer taps, final_norm, logits
     assert loc["learner"]["first_diverging_tap"] is None and loc["learner"]["taps_compared"] == 15, loc
     assert "vLLM diverges first at sampling" in loc["summary"], loc
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_aligned_tiny_qwen2_is_bitwise(tmp_path, dtype):
+    # Dense Qwen2 (q/k/v biases, no QK-norm): RZAlignedQwen2ForCausalLM against the Megatron learner
+    # with linear_qkv biases, every scenario (batched / one at a time, micro-batches, extra padding).
+    out, report = _rz_check("tiny_qwen2.yaml", tmp_path, "mode=aligned", f"model.dtype={dtype}", prompts=8, samples=2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert report["arch"] == "qwen2" and report["dtype"] == dtype and report["all_bitwise_equal"] is True
+    for name, s in report["scenarios"].items():
+        assert s["tokens"] > 0 and s["frac_bitwise"] == 1.0 and s["max_abs_dlogp"] == 0.0, name

@@ -41,6 +41,8 @@ def _hf_model(m):
                   num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_kv_heads,
                   tie_word_embeddings=m.tie_word_embeddings)
     with torch.device("meta"):
+        if m.arch == "qwen2":
+            return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, intermediate_size=m.dense_ffn_hidden_size))
         if m.arch == "qwen3_moe" and m.num_experts == 0:
             return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=m.head_dim,
                                                       intermediate_size=m.dense_ffn_hidden_size))
@@ -176,3 +178,21 @@ def test_aligned_rollout_sharding_in_the_plan():
     fast = make_plan(_recipe("deepseek_v3_671b"))
     assert abs(v3.rollout_mem["weights"] - 16 * fast.rollout_mem["weights"]) < 1e-6
     assert any("not sharded yet" in n for n in v3.notes)
+
+
+@pytest.mark.parametrize("lag", [2, 8])
+def test_r1_distill_is_dense_qwen2_and_plans_aligned(lag):
+    """The paper's main run: DeepSeek-R1-Distill-Qwen-1.5B as a dense Qwen2 (q/k/v biases counted:
+    (1536 + 1) * (12 + 2 * 2) * 128 per layer's q/k/v), aligned mode at lag 2 and 8."""
+    r = _recipe("r1_distill_qwen_1p5b", f"schedule.max_lag={lag}")
+    m = r.model
+    assert (m.arch, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim) == \
+        ("qwen2", 28, 1536, 12, 2, 128)
+    assert (m.dense_ffn_hidden_size, m.vocab_size, m.tie_word_embeddings, m.rope_theta, m.num_experts) == \
+        (8960, 151936, False, 10000.0, 0)
+    assert r.mode == "aligned" and r.schedule.max_lag == lag
+    c = count_params(m)
+    # Qwen2.5-1.5B's published 1,543,714,304 (tied) plus R1-Distill's untied 151936 x 1536 lm_head
+    assert c.total == 1_543_714_304 + 151936 * 1536 == 1_777_088_000
+    plan = make_plan(r)
+    assert plan.learner_total <= r.cluster.learner.gpu_memory_gb and plan.rollout_seqs_fit >= 1

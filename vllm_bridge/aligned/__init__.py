@@ -2,7 +2,7 @@
 
 ``register_aligned()`` (idempotent; called by the vLLM plugin in every vLLM process) registers:
 
-* ``RZAlignedQwen3MoeForCausalLM``, ``RZAlignedDeepseekV3ForCausalLM`` and
+* ``RZAlignedQwen3MoeForCausalLM``, ``RZAlignedQwen2ForCausalLM``, ``RZAlignedDeepseekV3ForCausalLM`` and
   ``RZAlignedDeepseekV4ForCausalLM`` in vLLM's ModelRegistry,
   selectable with ``LLM(model=hf_dir, hf_overrides={"architectures": [name]}, ...)`` on the normal
   Hugging Face checkpoints;
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 ARCHITECTURES = {
     "RZAlignedQwen3MoeForCausalLM": "vllm_bridge.aligned.qwen3_moe:RZAlignedQwen3MoeForCausalLM",
+    "RZAlignedQwen2ForCausalLM": "vllm_bridge.aligned.qwen2:RZAlignedQwen2ForCausalLM",
     "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
     "RZAlignedDeepseekV4ForCausalLM": "vllm_bridge.aligned.deepseek_v4:RZAlignedDeepseekV4ForCausalLM",
 }
