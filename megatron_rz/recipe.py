@@ -144,6 +144,9 @@ class ModelConfig(_Strict):
             raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
         if self.arch == "deepseek_v4" and not 0 <= self.num_hash_layers <= self.num_layers:
             raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
+        if self.fp8 != "none" and self.arch == "qwen2":
+            raise ValueError("model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the learner's FP8 fused "
+                             "q/k/v linear has no bias yet); set model.fp8=none for qwen2")
         if self.fp8 != "none" and self.arch == "deepseek_v4":
             raise ValueError(
                 "model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the aligned V4 path has no "
