@@ -36,7 +36,7 @@ run_stage() {
         [ -f "/root/ckpt/$c/config.json" ] || "$PY" benchmarks/rollout_gpu.py ckpt --config "$c" --out "/root/ckpt/$c"
       done ;;
     tests)
-      timeout 420 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_aligned_cuda_engine.py \
+      timeout 540 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_aligned_cuda_engine.py tests/gpu/test_stock_reload.py \
         tests/gpu/test_triton_kernels.py 2>&1 | tail -25 | tee "$d/pytest.txt" ;;
     check|fast)
       local mode=aligned; [ "$st" = fast ] && mode=fast
