@@ -181,7 +181,8 @@ def plot_compare(run_dirs: list[Path], out_dir: Path, labels: list[str] | None =
     return written
 
 
-def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eval_after, times: dict) -> dict:
+def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eval_after, times: dict,
+                end_step: int | None = None, stopped_by: str | None = None) -> dict:
     """The end-of-run summary (both trainers) from the run's metrics.jsonl, written to summary.json.
 
     Stability figures of the paper: D3's running peak/median, KL (k1 and k3 = D3) averaged over the
@@ -196,10 +197,13 @@ def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eva
         return sum(vals) / len(vals) if vals else None
 
     total_time = sum(r.get("time_step", 0.0) for r in tr)
+    end = recipe.schedule.steps if end_step is None else end_step
     summary = {
         "recipe": recipe.name,
         "mode": recipe.mode,
-        "steps": recipe.schedule.steps - start_step,
+        "steps": end - start_step,
+        "end_step": end,
+        "stopped_by": stopped_by,  # None: schedule.steps reached
         "max_lag": recipe.schedule.max_lag,
         "eval_reward_before": eval_before,
         "eval_reward_after": eval_after,
@@ -219,7 +223,7 @@ def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eva
         "grad_norm_max": max((r["grad_norm"] for r in tr if isinstance(r.get("grad_norm"), (int, float))), default=None),
         "updates_per_s": len(tr) / total_time if total_time > 0 else None,
         # `times` covers this process only (a resumed run: the updates since the resume)
-        "time_per_step": {k: v / max(1, recipe.schedule.steps - start_step) for k, v in times.items()},
+        "time_per_step": {k: v / max(1, end - start_step) for k, v in times.items()},
         "run_dir": str(run_dir),
     }
     if recipe.schedule.max_lag:

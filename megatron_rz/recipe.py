@@ -366,6 +366,11 @@ class ScheduleConfig(_Strict):
     # 0 = synchronous (rollout, update, sync in turn); k > 0 = rollout and learner run at once.
     max_lag: NonNeg = 0
     eval_every: NonNeg = 0
+    # Wall-clock budget of the update loop in seconds (0: none). When an update ends past it, the
+    # run finishes there as if `steps` were reached: final checkpoint, evaluation, summary
+    # (`stopped_by`), plots; `checkpoint.load=latest` continues it later (a GPU session's runs
+    # concatenated, a SLURM job's time limit).
+    time_limit_s: NonNegF = 0.0
     # A local vLLM engine that dies mid-rollout is restarted with the current weights and the step's
     # rollout re-run (same seeds) this many times per run (synchronous trainer); then the run stops.
     engine_restarts: NonNeg = 2  # 0: evaluate only before and after the run

@@ -301,12 +301,13 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
     task = make_task(recipe.task)
     ws = recipe.warm_start
     rng = random.Random(seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, ws.steps))))
     device = torch.device(ws.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RecipeError("warm_start.device=cuda but no CUDA device is visible: set warm_start.device=cpu")
     model.to(device).train()
+    # (fused: one kernel per step for the whole model on the GPU; the CPU keeps torch's default)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0, fused=device.type == "cuda" or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, ws.steps))))
     # bf16 autocast on the GPU (fp32 master weights and optimizer state)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     losses = []

@@ -293,6 +293,8 @@ def train(recipe: Recipe) -> dict:
         arm_sigterm_checkpoint()  # from here SIGTERM checkpoints the current step, then exits
         bar = tqdm(range(start_step, steps), desc=f"REINFORCE Zero (lag<={max_lag})",
                    disable=not (rank0 and recipe.logging.progress))
+        end, stopped_by = steps, None
+        limit, t_loop = recipe.schedule.time_limit_s, time.perf_counter()
         for step in bar:
             k = step - start_step
             t0 = time.perf_counter()
@@ -349,16 +351,25 @@ def train(recipe: Recipe) -> dict:
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
                                 dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
             checkpoint_after_step(learner, recipe, run_dir, step + 1)  # periodic + SLURM preemption
+            # rank 0's clock decides for every rank (one collective per update)
+            if limit and step + 1 < steps and broadcast(time.perf_counter() - t_loop >= limit):
+                end, stopped_by = step + 1, "schedule.time_limit_s"
+                if rank0:
+                    bar.close()
+                    print(f"[rz] schedule.time_limit_s={limit:g} reached after update {end} of {steps}: "
+                          f"finishing here (continue with checkpoint.load=latest)", flush=True)
+                break
 
-        learner.save_checkpoint(checkpoint_dir(run_dir, steps), step=steps)
+        learner.save_checkpoint(checkpoint_dir(run_dir, end), step=end)
         buckets = learner.hf_weight_buckets()  # collective: every rank walks it
         if not rank0:
             _drain(buckets)
             return {}
         export_hf_checkpoint(buckets, base, run_dir / "hf_final")
         eval_after = rollout.finish()
-        logger.log(steps, {"eval_reward": eval_after})
-        summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times)
+        logger.log(end, {"eval_reward": eval_after})
+        summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times, end_step=end,
+                              stopped_by=stopped_by)
         logger.close()
         logger = None
         if recipe.logging.plots:
