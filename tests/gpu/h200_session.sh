@@ -78,8 +78,9 @@ PYEOF
       set -- ;;
     d3)
       # the D3 experiment (issue 17) on recipes/gpu_moe.yaml: one warm start on the GPU, then aligned
-      # and fast at lag 2 from the same base model, each for D3_S seconds (SIGTERM: the trainer stops
-      # at an update boundary); metrics per update under $OUT/d3/
+      # and fast at lag 2 from the same base model, each with D3_S seconds of updates
+      # (schedule.time_limit_s: the run finishes at an update boundary with its summary and plots;
+      # the outer timeout only guards start-up, evaluation and the final checkpoint)
       local base=/root/runs/gpu_moe_base/base_model
       if [ ! -f "$base/config.json" ]; then
         local t1=$SECONDS
@@ -91,8 +92,9 @@ PYEOF
       for mode in ${D3_MODES-aligned fast}; do
         local rd=/root/runs/gpu_moe_${mode}_lag${D3_LAG:-2}
         mkdir -p "$rd" && cp -r "$base" "$rd/"
-        timeout -s TERM -k 60 "${D3_S:-240}" rz train recipes/gpu_moe.yaml mode=$mode "logging.run_dir=$rd" \
-          schedule.max_lag=${D3_LAG:-2} schedule.steps=${D3_STEPS:-400} logging.wandb=false > "$d/$mode.log" 2>&1
+        timeout -s TERM -k 30 $(( ${D3_S:-240} + 200 )) rz train recipes/gpu_moe.yaml mode=$mode "logging.run_dir=$rd" \
+          schedule.max_lag=${D3_LAG:-2} schedule.steps=${D3_STEPS:-400} schedule.time_limit_s=${D3_S:-240} \
+          logging.wandb=false > "$d/$mode.log" 2>&1
         echo "rc=$? gpu_moe $mode lag ${D3_LAG:-2}" | tee -a "$d/summary.txt"
         for f in metrics.jsonl summary.json run.json; do cp "$rd/$f" "$d/$mode.$f" 2>/dev/null; done
         cp -r "$rd/plots" "$d/$mode.plots" 2>/dev/null
