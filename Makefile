@@ -35,7 +35,7 @@ DEMO_OVERRIDES ?= $(if $(filter recipes/tiny_moe.yaml,$(RECIPE)),rollout.prompts
 
 demo: install
 	env $(DEMO_ENV) $(BIN)/rz train $(RECIPE) $(DEMO_OVERRIDES)
-	@env $(DEMO_ENV) $(BIN)/python -m megatron_rz.pretrained --recipe $(RECIPE) $(DEMO_OVERRIDES)
+	@env $(DEMO_ENV) $(BIN)/python -m megatron_rz.learner.pretrained --recipe $(RECIPE) $(DEMO_OVERRIDES)
 
 test: install
 	@t0=$$(date +%s); $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \

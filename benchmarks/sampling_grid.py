@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--grid", choices=("full", "small"), default="full")
     a = ap.parse_args(argv)
-    from megatron_rz.check import run_check
+    from megatron_rz.tools.check import run_check
     from megatron_rz.recipe import load_recipe
 
     recipe = load_recipe(a.recipe, a.overrides)

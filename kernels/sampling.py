@@ -1,6 +1,6 @@
 """Sampling post-processing: temperature, top-k, top-p -> the processed (sampled-from) log-probs.
 
-The one implementation both sides call: the learner (megatron_rz.learner, both modes) and the
+The one implementation both sides call: the learner (megatron_rz.learner.learner, both modes) and the
 aligned vLLM engine's sampler (vllm_bridge.sampler_patch, through the plugin). The rollout
 logprob of a token is its log-probability under the distribution it was actually drawn from, so
 the learner must compute exactly that quantity (kernels/README.md, "Sampling").
@@ -36,7 +36,7 @@ A token outside the kept set has logprob ``-inf``. The engine can never sample o
 that every sampled token's processed logprob is finite. The learner can see one only when its
 weights differ from the rollout's (policy lag) or its logits do (fast mode): then ``-inf`` is the
 right value (the learner's policy cannot produce that token), its importance weight is exactly 0
-and it carries no gradient (megatron_rz.losses / diagnostics count it).
+and it carries no gradient (megatron_rz.rl.losses / diagnostics count it).
 """
 
 from __future__ import annotations

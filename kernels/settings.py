@@ -1,6 +1,6 @@
 """Process-wide kernel settings: the op backend and the GPU GEMM tile table.
 
-Set them with :func:`set_backend` / :func:`set_gemm_small_tiles` (``megatron_rz.runtime`` does, from
+Set them with :func:`set_backend` / :func:`set_gemm_small_tiles` (``megatron_rz.launch.runtime`` does, from
 the recipe's ``runtime`` section). Processes started for a run (vLLM's workers, torchrun ranks) read
 their start values from the environment the launcher sets: ``RZ_KERNELS`` (``auto`` | ``reference``)
 and ``RZ_GEMM_SMALL_TILES`` (``1`` | ``0``).

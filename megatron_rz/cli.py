@@ -1,7 +1,7 @@
 """`rz`: the command line.
 
     rz train RECIPE [key.path=value ...]     run a recipe (torchrun is started for tp*dp > 1); a run dir
-             [--overwrite]                   holding another run's results is refused (megatron_rz.rundir)
+             [--overwrite]                   holding another run's results is refused (megatron_rz.launch.rundir)
     rz check RECIPE [overrides]              per-token logprob parity, vLLM vs learner
     rz bench rollout RECIPE [overrides]      rollout step time aligned vs fast (ratio, one run)
     rz bench async RECIPE [overrides]        updates/s async (max_lag 2) vs sync (ratio, one run)
@@ -67,9 +67,9 @@ def _relaunch_under_torchrun(recipe, argv: list[str]) -> int | None:
 
 
 def _claim(recipe, args):
-    """The run dir for this run (megatron_rz.rundir), claimed once per run: by this process, or under
+    """The run dir for this run (megatron_rz.launch.rundir), claimed once per run: by this process, or under
     torchrun by global rank 0 unless the `rz` that started torchrun holds it already."""
-    from megatron_rz.rundir import claim_run_dir
+    from megatron_rz.launch.rundir import claim_run_dir
 
     if os.environ.get("RZ_RUN_DIR_CLAIMED") == str(recipe.run_dir.resolve()) or os.environ.get("RANK", "0") != "0":
         return None
@@ -82,9 +82,9 @@ def _train_or_stop(train, recipe):
     """train(recipe); a dead or silent rollout engine, a failed weight-sync check or a full disk
     becomes one line naming the checkpoint to resume from (the run stops: it does not restart the
     engine)."""
-    from megatron_rz.async_trainer import RolloutProcessError
-    from megatron_rz.guards import RunStopped
-    from megatron_rz.resume import latest_checkpoint
+    from megatron_rz.loop.rollout_process import RolloutProcessError
+    from megatron_rz.rl.guards import RunStopped
+    from megatron_rz.loop.resume import latest_checkpoint
     from vllm_bridge.engine import RolloutEngineError, WeightSyncError
 
     import errno
@@ -102,8 +102,8 @@ def _train_or_stop(train, recipe):
 
 
 def _load(args):
-    """The recipe of a command that runs something, its process settings applied (megatron_rz.runtime)."""
-    from megatron_rz.runtime import apply_runtime
+    """The recipe of a command that runs something, its process settings applied (megatron_rz.launch.runtime)."""
+    from megatron_rz.launch.runtime import apply_runtime
 
     recipe = load_recipe(args.recipe, args.overrides)
     apply_runtime(recipe)
@@ -118,10 +118,10 @@ def _load(args):
 
 def cmd_train(args) -> int:
     recipe = _load(args)
-    from megatron_rz.resume import resolve_load
+    from megatron_rz.loop.resume import resolve_load
 
     if recipe.model.pretrained:  # a wrong or mismatched base checkpoint fails here, before any engine
-        from megatron_rz.pretrained import check_pretrained
+        from megatron_rz.learner.pretrained import check_pretrained
 
         check_pretrained(recipe)
     try:  # a wrong checkpoint path fails here, before the warm start and the engines ("latest" is
@@ -136,7 +136,7 @@ def cmd_train(args) -> int:
         rc = _relaunch_under_torchrun(recipe, ["train", args.recipe, *args.overrides, *extra])
         if rc is not None:
             return rc
-        from megatron_rz.trainer import train
+        from megatron_rz.loop.trainer import train
 
         summary = _train_or_stop(train, recipe)
     finally:
@@ -157,14 +157,14 @@ def cmd_check(args) -> int:
     rc = _relaunch_under_torchrun(recipe, ["check", args.recipe, *args.overrides, *extra])
     if rc is not None:
         return rc
-    from megatron_rz.check import main_check
+    from megatron_rz.tools.check import main_check
 
     return main_check(recipe, args.prompts, args.samples, args.inject_fault)
 
 
 def cmd_bench(args) -> int:
     recipe = _load(args)
-    from megatron_rz.bench import main_bench
+    from megatron_rz.tools.bench import main_bench
 
     return main_bench(recipe, args.what, args.rounds)
 
@@ -187,7 +187,7 @@ def cmd_make_model(args) -> int:
     if recipe.model.pretrained:
         raise RecipeError(f"model.pretrained={recipe.model.pretrained!r}: make-model builds the tiny warm-start "
                           "model; drop model.pretrained (that checkpoint is the model)")
-    from megatron_rz.tiny_models import warm_start
+    from megatron_rz.learner.tiny_models import warm_start
 
     info = warm_start(recipe, Path(args.out), seed=recipe.schedule.seed)
     print(json.dumps({"out": args.out, **info}))
@@ -196,7 +196,7 @@ def cmd_make_model(args) -> int:
 
 def cmd_submit(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
-    from megatron_rz.submit import submit
+    from megatron_rz.launch.submit import submit
 
     submit(recipe, dry_run=args.dry_run, run_dir=args.run_dir)
     return 0
@@ -211,7 +211,7 @@ def cmd_plot(args) -> int:
                           f"{len(args.run_dir)} run dirs; give one per run dir")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise RecipeError(f"--out {args.out} is a file; name a directory for the comparison plots")
-    from megatron_rz.metrics import check_metrics_file, plot_compare, plot_run
+    from megatron_rz.loop.metrics import check_metrics_file, plot_compare, plot_run
 
     for d in args.run_dir:  # a truncated or foreign file: named with its line before any plot is drawn
         check_metrics_file(Path(d) / "metrics.jsonl")
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("RZ_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
-    from megatron_rz.guards import RunStopped
+    from megatron_rz.rl.guards import RunStopped
 
     try:
         return _main(argv)
@@ -320,8 +320,8 @@ def _main(argv: list[str]) -> int:
         args.overrides = list(args.overrides) + extra
     if args.cmd in ("train", "check", "bench"):
         # SIGTERM (scheduler, kill) -> SystemExit, so cleanup handlers run and no vLLM process leaks;
-        # the trainers' loops turn it into checkpoint-then-exit (megatron_rz.preemption).
-        from megatron_rz.preemption import install_sigterm_exit
+        # the trainers' loops turn it into checkpoint-then-exit (megatron_rz.launch.preemption).
+        from megatron_rz.launch.preemption import install_sigterm_exit
 
         install_sigterm_exit()
     return args.fn(args)

@@ -2,7 +2,7 @@
 
 One heterogeneous job with two components: the learner (Megatron ranks under torchrun) and the
 rollout (vLLM engines). `gpus_per_node: 0` means CPU-only nodes whose ranks are processes (the
-local test cluster of slurm/start_local.sh). The layout planner (megatron_rz.planner) checks these
+local test cluster of slurm/start_local.sh). The layout planner (megatron_rz.launch.planner) checks these
 numbers against the recipe's parallel layout and the model's memory before anything is submitted.
 
 This module imports only pydantic: recipe.py imports it.
@@ -122,7 +122,7 @@ class NodeGroup(_Strict):
 
 
 class PlanConfig(_Strict):
-    """Assumptions of the memory plan (formulas in megatron_rz/planner.py and docs/slurm.md)."""
+    """Assumptions of the memory plan (formulas in megatron_rz/launch/planner.py and docs/slurm.md)."""
 
     # Activation recomputation the plan assumes: none = every layer's activations kept for backward;
     # full = only each layer's input kept, the layer recomputed in backward (Megatron

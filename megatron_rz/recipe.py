@@ -40,12 +40,12 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 class ModelConfig(_Strict):
     """Architecture and sizes. `arch` picks the Hugging Face class both engines load natively."""
 
-    # deepseek_v4: learner megatron_rz/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
+    # deepseek_v4: learner megatron_rz/learner/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
     # qwen2: dense Qwen2ForCausalLM (q/k/v biases, no QK-norm; num_experts=0, head_dim = hidden / heads).
     arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
     # A Hugging Face checkpoint directory to start from (config.json, *.safetensors, tokenizer; on a
     # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
-    # section (megatron_rz/pretrained.py checks it before anything starts).
+    # section (megatron_rz/learner/pretrained.py checks it before anything starts).
     pretrained: str | None = None
     hidden_size: Pos = 64
     num_layers: Pos = 2
@@ -397,7 +397,7 @@ class CheckpointConfig(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    """How the run's processes execute; megatron_rz.runtime applies it to this process and, through
+    """How the run's processes execute; megatron_rz.launch.runtime applies it to this process and, through
     the environment, to the processes it starts (torchrun ranks, vLLM's workers)."""
 
     # auto: the Triton kernels for CUDA tensors, the exact reference ops elsewhere; reference: the

@@ -156,7 +156,7 @@ def _patch_dsv4_cpu_swa_tile_scheduler() -> None:
 def apply() -> None:
     import os
 
-    # Recipe runtime.vllm_patches=false (diagnostics only: stock vLLM), exported by megatron_rz.runtime.
+    # Recipe runtime.vllm_patches=false (diagnostics only: stock vLLM), exported by megatron_rz.launch.runtime.
     if os.environ.get("RZ_VLLM_PATCHES", "1") == "0":
         logger.warning("vllm_bridge patches disabled (runtime.vllm_patches=false: RZ_VLLM_PATCHES=0)")
         return

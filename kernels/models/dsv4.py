@@ -10,7 +10,7 @@ a ``kernels`` op, so a token's bits do not depend on batching or on prefill vs d
 Weights are addressed by the ORIGINAL DeepSeek checkpoint names (``embed.weight``,
 ``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{e}.w1.weight`` ...): what the checkpoint
 on disk holds, what vLLM loads and what transformers renames on load
-(``megatron_rz.tiny_models.deepseek_v4_original_state_dict`` writes a transformers model under them).
+(``megatron_rz.learner.tiny_models.deepseek_v4_original_state_dict`` writes a transformers model under them).
 
 The attention is split at the one point where the learner and the rollout engine differ:
 :func:`token_state` turns a token's layer input into its query parts and its *payload* (the

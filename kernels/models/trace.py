@@ -6,7 +6,7 @@ import torch
 
 # The reference functions (kernels.models.*) tap their layer inputs and outputs; both the
 # full-sequence reference and the vLLM model classes (in vLLM's worker process) run them, so both
-# record the same names; the learner records them with Megatron module hooks (megatron_rz.localise).
+# record the same names; the learner records them with Megatron module hooks (megatron_rz.tools.localise).
 _records: list | None = None
 
 

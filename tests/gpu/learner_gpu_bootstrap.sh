@@ -8,7 +8,7 @@
 #       pydantic-core annotated-types typing-inspection typing-extensions --no-deps \
 #       --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d gpu_carry/wheels
-#   python -c "from megatron_rz.recipe import load_recipe; from megatron_rz.tiny_models import \
+#   python -c "from megatron_rz.recipe import load_recipe; from megatron_rz.learner.tiny_models import \
 #       make_random_checkpoint as m; m(load_recipe('recipes/tiny_moe.yaml'), 'gpu_carry/tiny_moe')"
 #
 #   bash tests/gpu/learner_gpu_bootstrap.sh gpu_carry/wheels gpu_carry/tiny_moe OUT_DIR

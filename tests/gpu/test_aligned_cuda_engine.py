@@ -3,12 +3,11 @@ log-softmax, and (with CUDA vLLM installed, docs/gpu.md) the aligned vLLM engine
 invariance, decode == prefill, learner parity, in-place weight update, all with torch.equal."""
 
 import json
-import os
 
 import pytest
 import torch
 
-from gpu_util import need_cuda, randn
+from gpu_util import moe1b_checkpoint, need_cuda, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -127,27 +126,9 @@ def test_per_row_temperature_equals_float_temperature():
     assert not torch.equal(full[1], kernels.log_softmax(x[1:2], 1.0)[0])  # the temperature is applied
 
 
-def _have_cuda_vllm() -> bool:
-    try:
-        import vllm  # noqa: F401
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cuda()
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    need_cuda()
-    if not _have_cuda_vllm():
-        pytest.skip("needs CUDA vLLM (docs/gpu.md)")
-    import benchmarks.rollout_gpu as rg
-
-    d = os.environ.get("RZ_GPU_CKPT") or str(tmp_path_factory.mktemp("ckpt") / "moe1b")
-    if not os.path.exists(os.path.join(d, "config.json")):
-        rg.make_ckpt("moe1b", d)
-    return d
+    return moe1b_checkpoint(tmp_path_factory)
 
 
 def test_aligned_cuda_engine_bitwise(moe_ckpt, tmp_path):

@@ -1,6 +1,6 @@
 """Megatron's distributed optimizer (parallel.distributed_optimizer=true) on 2 GPUs over NCCL.
 
-dp=2 x ep=2 (dense and expert parameter families both sharded), megatron_rz.parallel_check under
+dp=2 x ep=2 (dense and expert parameter families both sharded), megatron_rz.learner.parallel_check under
 torchrun: two steps agree with the plain optimizer to fp32 reduction order; a per-rank checkpoint
 written after step 1 and resumed for step 2 gives the uninterrupted run's weights bit for bit.
 The CPU version of this check is tests/integration/test_learner.py (gloo, patch 12).

@@ -131,8 +131,8 @@ def test_fp8_learner_equals_reference_on_cuda():
         pytest.skip("set RZ_GPU_CKPT to a tiny_moe HF checkpoint")
     from safetensors.torch import load_file
 
-    from megatron_rz.learner import Learner
-    from megatron_rz.parallel_check import fixed_batch, reinforce_loss
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.learner.parallel_check import fixed_batch, reinforce_loss
     from megatron_rz.recipe import load_recipe
     from kernels.models.qwen3_dsv3 import reference_logprobs
 

@@ -1,10 +1,10 @@
 """The Megatron-Core learner on GPUs (NCCL), aligned mode: TP=2/EP=2 log-probs == TP=1/EP=1, bitwise.
 
-Needs 2 CUDA GPUs and megatron-core 0.16.1 (no Transformer Engine: megatron_rz.megatron_patches).
+Needs 2 CUDA GPUs and megatron-core 0.16.1 (no Transformer Engine: megatron_rz.learner.megatron_patches).
 For each model dtype (float32 = recipes/tiny_moe.yaml, bfloat16 = the same model in bf16) two jobs
 run side by side under torchrun: TP=1/EP=1 on one GPU and TP=2/EP=2 over both (NCCL). Each job
 builds the aligned learner from the tiny Qwen3-MoE checkpoint, takes the log-probs of
-megatron_rz.parallel_check.fixed_batch (whole batch, micro batch 1, shuffled micro batch 4, a row
+megatron_rz.learner.parallel_check.fixed_batch (whole batch, micro batch 1, shuffled micro batch 4, a row
 alone), runs one train_step (REINFORCE surrogate, micro batch 2), takes the log-probs again and
 exports the HF weights. Checked:
 
@@ -17,7 +17,7 @@ exports the HF weights. Checked:
 
     PYTHONPATH=. python -m pytest tests/gpu/test_learner_gpu.py -q -s
 
-Environment: RZ_GPU_CKPT = a tiny_moe HF checkpoint dir made elsewhere (megatron_rz.tiny_models.
+Environment: RZ_GPU_CKPT = a tiny_moe HF checkpoint dir made elsewhere (megatron_rz.learner.tiny_models.
 make_random_checkpoint needs tokenizers + transformers, which the GPU machine may lack);
 RZ_GPU_RESULTS = a directory for results.json / the job logs. RZ_GPU_TEST_ALLOW_CPU=1 runs the same
 jobs on the CPU over gloo (to check the script itself; TP=2/EP=2 then runs as 2 CPU processes).
@@ -75,8 +75,8 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     import kernels.dispatch
-    from megatron_rz.learner import Learner
-    from megatron_rz.parallel_check import fixed_batch, reinforce_loss
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.learner.parallel_check import fixed_batch, reinforce_loss
     from megatron_rz.recipe import load_recipe
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -250,7 +250,7 @@ if pytest is not None:
             pytest.importorskip("transformers")
             pytest.importorskip("tokenizers")
             from megatron_rz.recipe import load_recipe
-            from megatron_rz.tiny_models import make_random_checkpoint
+            from megatron_rz.learner.tiny_models import make_random_checkpoint
 
             hf_dir = tmp_path_factory.mktemp("tiny_moe")
             make_random_checkpoint(load_recipe(str(RECIPE)), hf_dir, seed=0)

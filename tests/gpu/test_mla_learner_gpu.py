@@ -1,7 +1,7 @@
 """The aligned DeepSeek-V3-class learner (MLA, sigmoid grouped routing with expert bias, a shared
 expert, a dense first layer; recipes/tiny_dsv3.yaml) on GPUs over NCCL.
 
-megatron_rz.parallel_check --mode aligned under torchrun, three layouts: TP=1 on one GPU, TP=2 and
+megatron_rz.learner.parallel_check --mode aligned under torchrun, three layouts: TP=1 on one GPU, TP=2 and
 EP=2 over two. Checked: the log-probs of the fixed batch are torch.equal across the layouts and to
 kernels.models.qwen3_dsv3.reference_logprobs run on the same GPU (what the aligned vLLM class
 computes), and each layout takes two optimizer steps (finite gradient norms; weights after them
@@ -33,7 +33,7 @@ def test_aligned_mla_learner_tp2_ep2_equal_tp1_and_reference(tmp_path):
     ckpt = os.environ.get("RZ_GPU_CKPT_DSV3")
     if not ckpt:
         pytest.skip("RZ_GPU_CKPT_DSV3 (a tiny_dsv3 HF checkpoint dir) not set")
-    from megatron_rz.parallel_check import fixed_batch
+    from megatron_rz.learner.parallel_check import fixed_batch
     from tests.gpu.test_learner_gpu import _gpu_reference
 
     one = _run(ckpt, tmp_path / "tp1.pt", 1, 1, 1)

@@ -38,7 +38,7 @@ def engine(tmp_path_factory):
     except Exception:
         pytest.skip("needs CUDA vLLM")
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
     from vllm_bridge.engine import RolloutEngine
 
     ckpt = tmp_path_factory.mktemp("nccl") / "ckpt"

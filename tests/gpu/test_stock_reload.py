@@ -18,30 +18,14 @@ import shutil
 import pytest
 import torch
 
-from gpu_util import need_cuda
+from gpu_util import moe1b_checkpoint
 
 pytestmark = pytest.mark.gpu
 
 
-def _have_cuda_vllm() -> bool:
-    try:
-        from vllm.platforms import current_platform
-    except Exception:
-        return False
-    return bool(current_platform.is_cuda())
-
-
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    need_cuda()
-    if not _have_cuda_vllm():
-        pytest.skip("needs CUDA vLLM (docs/gpu.md)")
-    import benchmarks.rollout_gpu as rg
-
-    d = os.environ.get("RZ_GPU_CKPT") or str(tmp_path_factory.mktemp("ckpt") / "moe1b")
-    if not os.path.exists(os.path.join(d, "config.json")):
-        rg.make_ckpt("moe1b", d)
-    return d
+    return moe1b_checkpoint(tmp_path_factory)
 
 
 def _scores(eng, seqs):

@@ -31,7 +31,7 @@ ARCHS = list(RECIPES)
 def ckpts(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     out = {}
     for arch, path in RECIPES.items():
@@ -51,13 +51,13 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """reference_logprobs, following the row-parallel K rule of megatron_rz.aligned_spec.
+    """reference_logprobs, following the row-parallel K rule of megatron_rz.learner.aligned_spec.
 
     Transitional: if qwen3_dsv3.py does not (yet) split the K reduction of o_proj / down_proj into
     ROW_PARALLEL_K_SEGMENTS segments, its two per-layer helpers are replaced here (in this test
     process only) by versions that do; everything else is the reference's own code."""
     import kernels
-    from megatron_rz.aligned_spec import ROW_PARALLEL_K_SEGMENTS as KS
+    from megatron_rz.learner.aligned_spec import ROW_PARALLEL_K_SEGMENTS as KS
     from kernels.models import qwen3_dsv3 as R
 
     patched = "k_segments" not in inspect.getsource(R)
@@ -78,7 +78,7 @@ def reference():
 
 
 def _learner(recipe, hf_dir, mode="aligned", **algo):
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
 
     a = recipe.algo.model_copy(update=algo)
     return Learner(recipe.model, recipe.parallel, a, hf_dir, seed=0, mode=mode)
@@ -190,7 +190,7 @@ def test_aligned_close_to_fast_and_trains(ckpts, reference, arch):
 
 def _torchrun(recipe_path, hf_dir, tp, ep, out):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megatron_rz.parallel_check", "--recipe", str(recipe_path), "--mode", "aligned",
+           "-m", "megatron_rz.learner.parallel_check", "--recipe", str(recipe_path), "--mode", "aligned",
            "--hf-dir", str(hf_dir), "--tp", str(tp), "--ep", str(ep), "--out", str(out), "--steps", "1"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -201,7 +201,7 @@ def _torchrun(recipe_path, hf_dir, tp, ep, out):
 
 @pytest.fixture(scope="module")
 def tp1(ckpts):
-    from megatron_rz.parallel_check import run_check
+    from megatron_rz.learner.parallel_check import run_check
 
     return {arch: run_check(str(d), 1, 1, world_size=1, steps=1, mode="aligned", recipe_path=str(RECIPES[arch]))
             for arch, (d, _) in ckpts.items()}
@@ -210,7 +210,7 @@ def tp1(ckpts):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
 def test_aligned_parallel_layout_bitwise(ckpts, tp1, reference, tmp_path, arch, tp, ep):
-    from megatron_rz.parallel_check import fixed_batch
+    from megatron_rz.learner.parallel_check import fixed_batch
 
     d, recipe = ckpts[arch]
     base = tp1[arch]
@@ -238,8 +238,8 @@ def test_aligned_bf16_model_equals_reference(ckpts, reference, arch):
     import kernels
     from safetensors.torch import load_file
 
-    from megatron_rz import hf_convert
-    from megatron_rz.model import build_gpt_model, init_parallel
+    from megatron_rz.learner import hf_convert
+    from megatron_rz.learner.model import build_gpt_model, init_parallel
 
     d, recipe = ckpts[arch]
     mcfg = recipe.model.model_copy(update={"dtype": "bfloat16"})
@@ -268,8 +268,8 @@ def test_aligned_qwen2_tp2_bitwise(tmp_path, reference):
     bitwise; one update later the two layouts still agree to fp32 rounding (gradient reductions)."""
     from safetensors.torch import load_file, save_file
 
-    from megatron_rz.parallel_check import fixed_batch, run_check
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.parallel_check import fixed_batch, run_check
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     path = REPO / "recipes/tiny_qwen2.yaml"
     d = tmp_path / "qwen2"

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _make_ckpt(recipe: str, out: Path) -> Path:
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     make_random_checkpoint(load_recipe(str(ROOT / recipe), []), out)
     if "qwen2" in recipe:

@@ -48,7 +48,7 @@ def _checkpoint(out: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     make_random_checkpoint(load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), []), out)
     cfg = json.loads((out / "config.json").read_text())

@@ -63,7 +63,7 @@ def _wait_gone(pids, timeout=20.0) -> list[int]:
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory) -> Path:
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import warm_start
+    from megatron_rz.learner.tiny_models import warm_start
 
     out = tmp_path_factory.mktemp("async_base") / "base_model"
     recipe = load_recipe(ROOT / "recipes" / "tiny_moe.yaml", SHORT)
@@ -150,7 +150,7 @@ def async_run(tmp_path_factory, base_model):
     """Aligned mode when the learner supports it (so the lag-0 w == 1 check can run), else fast."""
     import inspect
 
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
 
     mode = "aligned" if "mode" in inspect.signature(Learner.__init__).parameters else "fast"
     run_dir = tmp_path_factory.mktemp("async") / "run"

@@ -98,7 +98,7 @@ def test_aligned_tiny_dsv3_bf16_is_bitwise(tmp_path):
 
 
 # Sampling post-processing (issue 14): a few temperature / top-k / top-p settings on ONE engine and
-# ONE learner (megatron_rz.check.run_check's sampling_grid), the last with vLLM sampling at top_k=2
+# ONE learner (megatron_rz.tools.check.run_check's sampling_grid), the last with vLLM sampling at top_k=2
 # while the contract (learner, reference) says 3: the localiser must name the sampling stage, with
 # every forward tap and the logits equal. (The full grid, by hand: benchmarks/sampling_grid.py.)
 SAMPLING_GRID = [
@@ -109,7 +109,7 @@ SAMPLING_GRID = [
 ]
 _GRID_SCRIPT = """
 import json, sys
-from megatron_rz.check import run_check
+from megatron_rz.tools.check import run_check
 from megatron_rz.recipe import load_recipe
 recipe = load_recipe(sys.argv[1], sys.argv[3:])
 report = run_check(recipe, 6, 2, sampling_grid=json.loads(sys.argv[2]))

@@ -39,14 +39,14 @@ def _recipe(tp: int, ep: int, world: int, distopt: bool):
 
 
 def _learner(hf_dir, tp: int, ep: int, world: int, distopt: bool = False):
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
 
     r = _recipe(tp, ep, world, distopt)
     return Learner(r.model, r.parallel, r.algo, str(hf_dir), seed=0, mode="aligned"), r
 
 
 def _step(learner, r):
-    from megatron_rz.parallel_check import fixed_batch, reinforce_loss
+    from megatron_rz.learner.parallel_check import fixed_batch, reinforce_loss
 
     ids, mask, adv = fixed_batch(r.model.vocab_size)
     out = learner.train_step(ids, reinforce_loss, micro_batch_size=2, loss_mask=mask, advantages=adv)
@@ -140,7 +140,7 @@ def _same_update(m: dict, ref: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     d = tmp_path_factory.mktemp("hf")
     make_random_checkpoint(_recipe(1, 1, 1, False), d, seed=0)
@@ -148,7 +148,7 @@ def hf(tmp_path_factory):
 
 
 def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path, hf):
-    from megatron_rz.resume import verify_checkpoint
+    from megatron_rz.manifest import verify_checkpoint
 
     t0 = time.time()
     a, a2, c, c2 = (tmp_path / n for n in ("a_tp2ep2", "a_resaved_tp1", "c_tp1", "c_resaved_tp2ep2"))

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RANK = """
 import os, sys, time, torch, torch.distributed as dist
-from megatron_rz.model import init_parallel
+from megatron_rz.learner.model import init_parallel
 from megatron_rz.recipe import ParallelConfig
 init_parallel(ParallelConfig(dp=2, collective_timeout_s=3))
 print("ready", flush=True)

@@ -57,7 +57,7 @@ def test_functions_match_transformers_and_decode_equals_prefill(tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
     cfg, m = _hf_model()
-    from megatron_rz.tiny_models import deepseek_v4_original_state_dict
+    from megatron_rz.learner.tiny_models import deepseek_v4_original_state_dict
 
     sd = deepseek_v4_original_state_dict(m)
     ids = torch.randint(0, 96, (2, 150))
@@ -131,7 +131,7 @@ def test_rz_check_aligned_dsv4_is_bitwise(tmp_path):
 @pytest.fixture(scope="module")
 def small_ckpt(tmp_path_factory) -> Path:
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     d = tmp_path_factory.mktemp("dsv4_small")
     make_random_checkpoint(load_recipe(str(ROOT / "recipes" / "tiny_dsv4.yaml"), SMALL), d, seed=0)
@@ -143,7 +143,7 @@ def test_learner_round_trip_and_matches_transformers(small_ckpt):
     those weights matches transformers' fp32 DeepseekV4ForCausalLM (150 tokens: every layer kind)."""
     from transformers import DeepseekV4ForCausalLM
 
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
     from megatron_rz.recipe import load_recipe
 
     r = load_recipe(str(ROOT / "recipes" / "tiny_dsv4.yaml"), SMALL)
@@ -165,13 +165,13 @@ def test_learner_ep2_equals_ep1(small_ckpt, tmp_path):
     """Megatron learner, expert parallel over 2 ranks (each holds 4 of the 8 experts; dp=2) vs one
     rank: log-probs torch.equal before training; after 2 optimizer steps the weights agree to
     rounding (the two ranks' gradients are summed by DDP in another order)."""
-    from megatron_rz.parallel_check import run_check
+    from megatron_rz.learner.parallel_check import run_check
     from kernels.models.dsv4 import reference_logprobs
 
     sets = [s for s in SMALL if not s.startswith("mode=")]
     recipe = str(ROOT / "recipes" / "tiny_dsv4.yaml")
     out = tmp_path / "ep2.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_rz.parallel_check",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_rz.learner.parallel_check",
            "--hf-dir", str(small_ckpt), "--ep", "2", "--out", str(out), "--mode", "aligned", "--recipe", recipe]
     for s in sets:
         cmd += ["--set", s]
@@ -181,7 +181,7 @@ def test_learner_ep2_equals_ep1(small_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ep2 = torch.load(out, weights_only=False)
     ep1 = run_check(str(small_ckpt), 1, 1, sets, world_size=1, steps=2, mode="aligned", recipe_path=recipe)
-    from megatron_rz.parallel_check import fixed_batch
+    from megatron_rz.learner.parallel_check import fixed_batch
 
     ids, _, _ = fixed_batch(96)
     assert torch.equal(ep1["logprobs_before"], reference_logprobs(str(small_ckpt), str(small_ckpt), ids))

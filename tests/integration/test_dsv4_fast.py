@@ -31,8 +31,8 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM (needs >= 5.19)", allow_module_level=True)
 
 from megatron_rz.recipe import load_recipe  # noqa: E402
-from megatron_rz.tasks import Arithmetic  # noqa: E402
-from megatron_rz.tiny_models import make_random_checkpoint  # noqa: E402
+from megatron_rz.rl.tasks import Arithmetic  # noqa: E402
+from megatron_rz.learner.tiny_models import make_random_checkpoint  # noqa: E402
 from vllm_bridge.engine import RolloutEngine  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_dsv4.yaml"

@@ -14,11 +14,11 @@ pytest.importorskip("megatron.core")
 
 
 def test_real_learner_skips_nan_updates_and_resumes_past_a_corrupted_checkpoint(tmp_path):
-    from megatron_rz.guards import install_nonfinite_guard
-    from megatron_rz.learner import Learner
+    from megatron_rz.rl.guards import install_nonfinite_guard
+    from megatron_rz.learner.learner import Learner
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.resume import checkpoint_dir, latest_checkpoint
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.loop.resume import checkpoint_dir, latest_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     r = load_recipe(None, ["algo.lr=3e-3"])
     make_random_checkpoint(r, tmp_path / "hf", seed=0)

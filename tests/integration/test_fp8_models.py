@@ -43,7 +43,7 @@ def _recipe(arch: str, fp8: str = "blockwise"):
 def ckpts(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     out = {}
     for arch in RECIPES:
@@ -65,7 +65,7 @@ def _cfg(d: Path, fp8: str) -> dict:
 
 
 def _learner(arch: str, d: Path, fp8: str = "blockwise"):
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
 
     r = _recipe(arch, fp8)
     return Learner(r.model, r.parallel, r.algo, str(d), seed=0, mode="aligned")
@@ -224,7 +224,7 @@ def test_fp8_train_step_moves_master_weights_and_sync_stays_bitwise(ckpts, qwen_
 
 
 def test_fp8_unsupported_layouts_fail_clearly(ckpts):
-    from megatron_rz.aligned_spec import check_aligned_supported
+    from megatron_rz.learner.aligned_spec import check_aligned_supported
     from vllm_bridge.engine import RolloutEngine, RolloutEngineError
 
     from megatron_rz.recipe import ParallelConfig
@@ -275,7 +275,7 @@ def test_fp8_expert_parallel_learner_equals_reference(ckpts, tmp_path):
     d = ckpts["qwen3_moe"]
     out = tmp_path / "ep2.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megatron_rz.parallel_check", "--recipe", str(RECIPES["qwen3_moe"]), "--mode", "aligned",
+           "-m", "megatron_rz.learner.parallel_check", "--recipe", str(RECIPES["qwen3_moe"]), "--mode", "aligned",
            "--hf-dir", str(d), "--tp", "1", "--ep", "2", "--out", str(out), "--steps", "1",
            "--set", "model.fp8=blockwise"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -283,7 +283,7 @@ def test_fp8_expert_parallel_learner_equals_reference(ckpts, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = torch.load(out, weights_only=False)
-    from megatron_rz.parallel_check import fixed_batch
+    from megatron_rz.learner.parallel_check import fixed_batch
 
     ids, mask, _ = fixed_batch(64)
     m = mask.bool()

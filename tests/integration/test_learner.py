@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     out = {}
     for arch, ov in OVERRIDES.items():
@@ -57,7 +57,7 @@ def ckpts(tmp_path_factory):
 
 
 def _learner(recipe, hf_dir, **algo):
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
 
     a = recipe.algo.model_copy(update=algo)
     return Learner(recipe.model, recipe.parallel, a, hf_dir, seed=0)
@@ -75,8 +75,8 @@ def _batch(vocab: int, b: int = 5, s: int = 12, seed: int = 0):
 def test_hf_megatron_hf_round_trip_is_exact(ckpts, arch):
     from safetensors.torch import load_file
 
-    from megatron_rz import hf_convert
-    from megatron_rz.model import build_gpt_model, init_parallel
+    from megatron_rz.learner import hf_convert
+    from megatron_rz.learner.model import build_gpt_model, init_parallel
 
     d, recipe = ckpts[arch]
     init_parallel(recipe.parallel, 0)
@@ -121,7 +121,7 @@ def test_logprobs_match_transformers(ckpts, arch):
 
 def _torchrun(hf_dir, tp, ep, out, overrides, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", "-m", "megatron_rz.parallel_check",
+           "--standalone", "-m", "megatron_rz.learner.parallel_check",
            "--hf-dir", str(hf_dir), "--tp", str(tp), "--ep", str(ep), "--out", str(out), *extra]
     for ov in overrides:
         cmd += ["--set", ov]
@@ -134,7 +134,7 @@ def _torchrun(hf_dir, tp, ep, out, overrides, extra=()):
 
 @pytest.fixture(scope="module")
 def baselines(ckpts):
-    from megatron_rz.parallel_check import run_check
+    from megatron_rz.learner.parallel_check import run_check
 
     return {arch: run_check(str(d), 1, 1, OVERRIDES[arch], world_size=1) for arch, (d, _) in ckpts.items()}
 
@@ -240,7 +240,7 @@ def test_distributed_optimizer_matches_and_resumes_exactly(ckpts, baselines, tmp
     assert full["optimizers"] == ["DistributedOptimizer", "DistributedOptimizer"], full["optimizers"]
     wd = max((full["weights"][k].float() - base["weights"][k].float()).abs().max().item() for k in base["weights"])
     assert wd < 1e-5
-    from megatron_rz.checkpoint import read_common
+    from megatron_rz.learner.checkpoint import read_common
 
     assert (ck / "COMPLETE").exists() and (ck / "__0_0.distcp").exists()  # a dist_checkpointing checkpoint
     assert read_common(ck)["layout"]["distributed_optimizer"] is True
@@ -265,7 +265,7 @@ def test_fp8_release_checkpoint_loads_dequantised(ckpts, baselines, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from kernels.fp8 import dequantize_weight_blockwise, quantize_weight_blockwise
-    from megatron_rz.parallel_check import run_check
+    from megatron_rz.learner.parallel_check import run_check
 
     d, _ = ckpts["deepseek_v3"]
     sd = load_file(str(d / "model.safetensors"))

@@ -26,7 +26,7 @@ RECIPE = ROOT / "recipes" / "tiny_moe.yaml"
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     out = tmp_path_factory.mktemp("pretrained") / "qwen3_moe_tiny"
     make_random_checkpoint(load_recipe(str(RECIPE)), out, seed=7)
@@ -34,7 +34,7 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def test_mismatched_or_missing_checkpoints_are_refused(pretrained, tmp_path):
-    from megatron_rz.pretrained import check_pretrained
+    from megatron_rz.learner.pretrained import check_pretrained
 
     assert check_pretrained(load_recipe(str(RECIPE), [f"model.pretrained={pretrained}"])) == pretrained.resolve()
     with pytest.raises(RecipeError, match="no such directory"):
@@ -90,8 +90,8 @@ def qwen2_release(tmp_path_factory) -> Path:
     import torch
     import transformers
 
-    from megatron_rz.tasks import make_task
-    from megatron_rz.tiny_models import train_tokenizer
+    from megatron_rz.rl.tasks import make_task
+    from megatron_rz.learner.tiny_models import train_tokenizer
 
     out = tmp_path_factory.mktemp("pretrained") / "qwen2_release_format"
     recipe = load_recipe(str(QWEN2))
@@ -116,8 +116,8 @@ def test_qwen2_release_format_loads_and_learner_matches_transformers(qwen2_relea
     import transformers
 
     from kernels.models.qwen3_dsv3 import reference_logprobs
-    from megatron_rz.learner import Learner
-    from megatron_rz.pretrained import check_pretrained
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.learner.pretrained import check_pretrained
 
     recipe = load_recipe(str(QWEN2), [f"model.pretrained={qwen2_release}"])
     assert check_pretrained(recipe) == qwen2_release.resolve()

@@ -53,7 +53,7 @@ def _same(a, b) -> bool:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
     from vllm_bridge.engine import RolloutEngine
 
     tmp = tmp_path_factory.mktemp("servers")

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 def _make_ckpt(out: Path, overrides: list[str]) -> Path:
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     make_random_checkpoint(load_recipe(None, overrides), out)
     return out

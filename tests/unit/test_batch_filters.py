@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_rz.batch_filters import (
+from megatron_rz.rl.batch_filters import (
     dynamic_sampling_keep,
     overlong_shaping,
     token_weights_for_token_mean,

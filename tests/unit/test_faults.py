@@ -16,9 +16,9 @@ import torch
 
 from pathlib import Path
 
-from megatron_rz import preemption
-from megatron_rz.resume import (COMPLETE, checkpoint_dir, latest_checkpoint, mark_complete, resolve_load,
-                                verify_checkpoint, write_digest)
+from megatron_rz.launch import preemption
+from megatron_rz.loop.resume import checkpoint_dir, latest_checkpoint, resolve_load
+from megatron_rz.manifest import COMPLETE, mark_complete, verify_checkpoint, write_digest
 from vllm_bridge.engine import WeightSyncError, check_weights
 from vllm_bridge.worker_ext import checksum_entry
 
@@ -112,9 +112,9 @@ def test_damaged_newest_checkpoint_is_named_and_skipped_for_the_previous(tmp_pat
 
 
 def test_size_only_verification_still_catches_truncation(tmp_path):
-    from megatron_rz.resume import set_verify, verify_mode
+    from megatron_rz.manifest import set_verify, verify_mode
 
-    set_verify("size")  # recipe checkpoint.verify=size (megatron_rz.runtime applies it)
+    set_verify("size")  # recipe checkpoint.verify=size (megatron_rz.launch.runtime applies it)
     try:
         older, newest = _save(tmp_path, 1), _save(tmp_path, 2)
         (newest / "rank00000.pt").write_bytes(b"")
@@ -138,7 +138,7 @@ def test_checkpoint_write_killed_midway_leaves_the_previous_loadable(tmp_path):
     code = f"""
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
-from megatron_rz.resume import checkpoint_dir
+from megatron_rz.loop.resume import checkpoint_dir
 d = checkpoint_dir({str(tmp_path)!r}, 6); d.mkdir(parents=True)
 with open(d / "rank00000.pt", "wb") as f:
     while True:
@@ -219,8 +219,8 @@ def test_dead_engine_stops_the_run_with_one_line_naming_the_checkpoint(tmp_path,
     """What rz train prints when the engine dies mid-run (SIGKILL of vLLM: RolloutEngineError from
     the engine client, RolloutProcessError from the async rollout process) or a sync fails its
     verification, or the disk fills up: one line, exit 1, and the checkpoint load=latest will resume from."""
-    import megatron_rz.async_trainer as at
-    import megatron_rz.trainer as tr
+    import megatron_rz.loop.rollout_process as at
+    import megatron_rz.loop.trainer as tr
     import vllm_bridge.engine as eng
     from megatron_rz import cli
 
@@ -260,7 +260,7 @@ class _Rollout:
         self.restartable, self.budget = restartable, budget
 
     def batch(self, k):
-        from megatron_rz.resume import step_rng
+        from megatron_rz.loop.resume import step_rng
         from vllm_bridge.samples import Sample
 
         self.calls.append((k, step_rng(0, 5 + k).random()))
@@ -287,8 +287,8 @@ class _PushLearner:
 
 
 def test_dead_engine_is_restarted_with_current_weights_and_the_batch_reruns_identically():
-    from megatron_rz.async_trainer import RolloutProcessError
-    from megatron_rz.trainer import fetch_batch
+    from megatron_rz.loop.rollout_process import RolloutProcessError
+    from megatron_rz.loop.trainer import fetch_batch
     from vllm_bridge.engine import RolloutEngineError
 
     ro = _Rollout(deaths=2)

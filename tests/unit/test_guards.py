@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rz.guards import RunStopped, install_nonfinite_guard
+from megatron_rz.rl.guards import RunStopped, install_nonfinite_guard
 
 
 class _Opt:

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from megatron_rz.diagnostics import RunningRatio, mismatch_stats
-from megatron_rz.losses import group_advantages, make_loss_fn, reinforce_zero_loss
+from megatron_rz.rl.diagnostics import RunningRatio, mismatch_stats
+from megatron_rz.rl.losses import group_advantages, make_loss_fn, reinforce_zero_loss
 
 
 def test_group_advantages_subtract_group_mean():
@@ -74,8 +74,8 @@ def test_running_ratio():
 
 import pytest  # noqa: E402
 
-from megatron_rz.batch_filters import token_weights_for_token_mean  # noqa: E402
-from megatron_rz.losses import dapo_loss, icepop_loss, mis_loss, tis_loss  # noqa: E402
+from megatron_rz.rl.batch_filters import token_weights_for_token_mean  # noqa: E402
+from megatron_rz.rl.losses import dapo_loss, icepop_loss, mis_loss, tis_loss  # noqa: E402
 from megatron_rz.recipe import AlgoConfig  # noqa: E402
 
 L = math.log

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rz.planner import PlanError, count_params, make_plan
+from megatron_rz.launch.planner import PlanError, count_params, make_plan
 from megatron_rz.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,12 +1,12 @@
-"""The learner-side preemption hook (megatron_rz.preemption), on one process without SLURM."""
+"""The learner-side preemption hook (megatron_rz.launch.preemption), on one process without SLURM."""
 
 import os
 import signal
 
 import pytest
 
-from megatron_rz import preemption
-from megatron_rz.resume import COMPLETE
+from megatron_rz.launch import preemption
+from megatron_rz.manifest import COMPLETE
 
 
 class _Learner:

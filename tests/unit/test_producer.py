@@ -1,13 +1,13 @@
-"""The one rollout producer (megatron_rz.rollout) without an engine: per-step prompts and seeds,
+"""The one rollout producer (megatron_rz.loop.rollout) without an engine: per-step prompts and seeds,
 rewards + overlong shaping, DAPO dynamic sampling refills, the lag bound, and BlockingGenerator
 (one generate call per batch, generate's own seed pattern)."""
 
 import pytest
 
-from megatron_rz.batch_filters import DynamicSamplingError
+from megatron_rz.rl.batch_filters import DynamicSamplingError
 from megatron_rz.recipe import load_recipe
-from megatron_rz.resume import step_rng
-from megatron_rz.rollout import BlockingGenerator, Producer, rollout_seed
+from megatron_rz.loop.resume import step_rng
+from megatron_rz.loop.rollout import BlockingGenerator, Producer, rollout_seed
 from vllm_bridge.samples import Sample
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rz import cli
 from megatron_rz.recipe import load_recipe
-from megatron_rz.rundir import (LOCK, RECORD, RunDirError, base_model_dir, base_model_hash, build_base_model,
+from megatron_rz.launch.rundir import (LOCK, RECORD, RunDirError, base_model_dir, base_model_hash, build_base_model,
                                 claim_run_dir)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def test_base_model_reused_only_when_its_hash_matches(tmp_path):
 
 
 def test_killed_base_model_build_leaves_no_base_model(tmp_path, monkeypatch):
-    import megatron_rz.tiny_models as tm
+    import megatron_rz.learner.tiny_models as tm
 
     def dies(recipe, out_dir, seed=0, progress=True):
         Path(out_dir).mkdir(parents=True)
@@ -152,7 +152,7 @@ def test_killed_base_model_build_leaves_no_base_model(tmp_path, monkeypatch):
 
 
 def test_metrics_logger_never_deletes_an_earlier_file(tmp_path):
-    from megatron_rz.metrics import MetricsLogger
+    from megatron_rz.loop.metrics import MetricsLogger
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     MetricsLogger(_recipe(tmp_path), tmp_path, resume=False).log(0, {"eval_reward": 0.5})

@@ -6,9 +6,9 @@ import pytest
 
 import kernels
 from kernels import settings
-from megatron_rz import resume
+from megatron_rz import manifest
 from megatron_rz.recipe import load_recipe
-from megatron_rz.runtime import apply_runtime, child_env
+from megatron_rz.launch.runtime import apply_runtime, child_env
 
 KEYS = ("RZ_KERNELS", "RZ_GEMM_SMALL_TILES", "RZ_KERNELS_NATIVE", "RZ_VLLM_PATCHES")
 
@@ -20,7 +20,7 @@ def restore(monkeypatch):
     yield
     kernels.set_backend("auto")
     kernels.set_gemm_small_tiles(True)
-    resume.set_verify("hash")
+    manifest.set_verify("hash")
 
 
 def test_defaults_are_what_the_code_did_before(restore):
@@ -28,7 +28,7 @@ def test_defaults_are_what_the_code_did_before(restore):
     assert child_env(recipe) == {"RZ_KERNELS": "auto", "RZ_GEMM_SMALL_TILES": "1", "RZ_KERNELS_NATIVE": "1",
                                  "RZ_VLLM_PATCHES": "1"}
     apply_runtime(recipe)
-    assert kernels.backend() == "auto" and settings.gemm_small_tiles() and resume.verify_mode() == "hash"
+    assert kernels.backend() == "auto" and settings.gemm_small_tiles() and manifest.verify_mode() == "hash"
 
 
 def test_fields_are_applied_here_and_exported(restore):
@@ -39,7 +39,7 @@ def test_fields_are_applied_here_and_exported(restore):
                                 "checkpoint.verify=size"])
     apply_runtime(recipe)
     assert kernels.backend() == "reference" and not settings.gemm_small_tiles()
-    assert resume.verify_mode() == "size"
+    assert manifest.verify_mode() == "size"
     assert {k: os.environ[k] for k in KEYS} == {"RZ_KERNELS": "reference", "RZ_GEMM_SMALL_TILES": "0",
                                                 "RZ_KERNELS_NATIVE": "0", "RZ_VLLM_PATCHES": "0"}
 

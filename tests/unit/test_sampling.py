@@ -175,7 +175,7 @@ def test_gradient_matches_the_renormalised_softmax():
 
 
 def test_token_outside_the_kept_set_is_minus_inf_and_gets_no_nan_gradient():
-    from megatron_rz.losses import reinforce_zero_loss
+    from megatron_rz.rl.losses import reinforce_zero_loss
 
     x = torch.tensor([[3.0, 2.0, -5.0, -6.0]], requires_grad=True)
     lp = kernels.sampled_logprobs(x, torch.tensor([3]), 1.0, 2, 1.0)

@@ -3,7 +3,8 @@
 Rules (docs: /work/shared/ARCHITECTURE.md, README "Architecture"): no import circles among the
 project modules (function-level imports included); ``kernels`` imports neither vLLM nor Megatron;
 ``vllm_bridge`` imports nothing from ``megatron_rz``; ``megatron_rz`` imports nothing from
-``vllm_bridge.aligned``; no module reads another project module's private (``_x``) names.
+``vllm_bridge.aligned``; no module reads another project module's private (``_x``) names;
+``megatron_rz``'s role sub-packages import only downwards (``LAYERS``).
 
 Run as a script (``python tests/unit/test_structure.py``) to print every cycle and violation.
 """
@@ -270,6 +271,44 @@ def test_vllm_bridge_never_imports_megatron():
 
 def test_learner_never_imports_aligned_vllm_classes():
     assert not _imports_from(_modules(), "megatron_rz", ("vllm_bridge.aligned",))
+
+
+# megatron_rz's sub-packages by role, lowest first: a module may import megatron_rz modules of its
+# own layer or below, never above (the shared leaves recipe / cluster / fingerprint / manifest are layer 0,
+# the CLI the top).
+LAYERS = (("megatron_rz.recipe", "megatron_rz.cluster", "megatron_rz.fingerprint", "megatron_rz.manifest"),
+          ("megatron_rz.rl",),
+          ("megatron_rz.learner",), ("megatron_rz.launch",), ("megatron_rz.loop",), ("megatron_rz.tools",),
+          ("megatron_rz.cli",))
+
+
+def _layer(name: str) -> int | None:
+    for i, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_megatron_rz_layers_import_only_downwards():
+    mods = _modules()
+    unplaced = sorted(n for n in mods if n.startswith("megatron_rz.") and _layer(n) is None)
+    assert not unplaced, f"megatron_rz modules outside the role layers (add them to LAYERS): {unplaced}"
+    bad = []
+    for m in mods.values():
+        lu = _layer(m.name)
+        if lu is None:
+            continue
+        for imp in sorted(m.imports):
+            li = _layer(imp)
+            if li is not None and li > lu:
+                bad.append(f"{m.name} (layer {lu}) imports {imp} (layer {li})")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_megatron_rz_subpackages_say_their_job():
+    for pkg in sorted(p for p in (ROOT / "megatron_rz").iterdir() if (p / "__init__.py").is_file()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
+        assert doc and len(doc.splitlines()) == 1, f"megatron_rz/{pkg.name}/__init__.py needs a one-line docstring of its job"
 
 
 def _private_allowed(user: str, owner: str) -> bool:

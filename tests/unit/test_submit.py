@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rz.cli import main
 from megatron_rz.recipe import load_recipe
-from megatron_rz.submit import render
+from megatron_rz.launch.submit import render
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["r1_distill_qwen_1p5b", "qwen3_30b_a3b", "deepseek_v3_671b", "deepseek_v4_flash"]
@@ -127,7 +127,7 @@ def test_rollout_nodes_run_vllm_serve_for_both_trainers(tmp_path):
         assert "umask 077" in script and '"$RZ_RUN_DIR/rollout.key"' in script
         assert "RZ_REMOTE_ROLLOUT" not in script and "RZ_ROLLOUT_" not in script and "rollout_host" not in script
         assert 'rm -rf "$RZ_RUN_DIR/rollout"' in script
-        assert '-m megatron_rz.submit prepare "$RZ_RECIPE_FILE" "$RZ_RUN_DIR"' in script
+        assert '-m megatron_rz.launch.submit prepare "$RZ_RECIPE_FILE" "$RZ_RUN_DIR"' in script
         assert '-m vllm_bridge.serve "$(cat "$RZ_RUN_DIR/rollout/model_dir")"' in script and "--aligned" in script
         assert '--record "$RZ_RUN_DIR/rollout/servers/$NAME.json"' in script and "--nnodes 1" not in script and "MULTI=()" in script
         line = next(ln for ln in script.splitlines() if ln.startswith("export RZ_ENGINE_ARGS="))
@@ -135,14 +135,14 @@ def test_rollout_nodes_run_vllm_serve_for_both_trainers(tmp_path):
         assert args == {k: v for k, v in r.engine_kwargs().items() if k != "aligned"}
         assert "rollout.where=servers" in script
         # prepare, then the servers, then the wait loop, then the learner's srun
-        order = [script.index(x) for x in ('-m megatron_rz.submit prepare', '"$RZ_PYTHON" -m vllm_bridge.serve',
+        order = [script.index(x) for x in ('-m megatron_rz.launch.submit prepare', '"$RZ_PYTHON" -m vllm_bridge.serve',
                                            "rollout server(s) ready after", "megatron_rz.cli train")]
         assert order == sorted(order)
         f = tmp_path / "job.sbatch"
         f.write_text(script)
         assert subprocess.run(["bash", "-n", str(f)], capture_output=True).returncode == 0
         lines = []
-        from megatron_rz.submit import submit
+        from megatron_rz.launch.submit import submit
 
         submit(r, dry_run=True, out=lines.append)
         assert "warning" not in lines[-1]
@@ -162,7 +162,7 @@ def test_serve_command_line(tmp_path):
     """vllm_bridge.serve: the in-process engine's settings as `vllm serve` options (no vLLM start)."""
     import os
 
-    from megatron_rz.tiny_models import make_random_checkpoint
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
     from vllm_bridge.serve import cli_options, serve_command
 
     assert cli_options({"model": "/m", "enforce_eager": True, "enable_chunked_prefill": False, "seed": 3,

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from megatron_rz.recipe import TaskConfig
-from megatron_rz.tasks import Arithmetic, Problem, make_task
-from megatron_rz.tiny_models import train_tokenizer
+from megatron_rz.rl.tasks import Arithmetic, Problem, make_task
+from megatron_rz.learner.tiny_models import train_tokenizer
 
 
 def test_arithmetic_reward_and_held_out_split():
@@ -42,7 +42,7 @@ def test_arithmetic_few_shot_preamble():
 
 def test_user_task_by_import_path(tmp_path, monkeypatch):
     (tmp_path / "my_task.py").write_text(
-        "from megatron_rz.tasks import Arithmetic\n"
+        "from megatron_rz.rl.tasks import Arithmetic\n"
         "def make(cfg):\n"
         "    return Arithmetic(digits=1, ops=['*'], eval_prompts=5, seed=cfg.seed)\n"
     )

@@ -18,7 +18,7 @@ bitwise the TP=1 one. The other classes (DeepSeek-V3 / V4) and FP8 models are re
 TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
 * attention: q/k/v heads split in contiguous blocks (each head is computed as at TP=1); the vLLM
   ``Attention`` layer is registered with the local head counts, so the KV cache is sharded;
-* o_proj and dense down_proj row-parallel as the learner's ``megatron_rz.aligned_spec``: each rank
+* o_proj and dense down_proj row-parallel as the learner's ``megatron_rz.learner.aligned_spec``: each rank
   computes the fp32 partials of its ROW_PARALLEL_K_SEGMENTS / tp K segments
   (``kernels.linear_partial``), the partials are all-gathered over the TP group and added in rank
   (= segment) order, rounded once: bitwise ``kernels.linear(x, W, k_segments=ROW_PARALLEL_K_SEGMENTS)``;
@@ -266,7 +266,7 @@ class RZAlignedForCausalLM(nn.Module):
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Row-parallel linear over the TP group: x [T, K/tp] and weight [N, K/tp] are this rank's K
         block. Bitwise ``kernels.linear(x_full, W_full, k_segments=ROW_PARALLEL_K_SEGMENTS)``
-        (the learner's megatron_rz.aligned_spec.row_parallel_linear, vLLM's collectives)."""
+        (the learner's megatron_rz.learner.aligned_spec.row_parallel_linear, vLLM's collectives)."""
         from vllm.distributed import get_tp_group
 
         local = kernels.ROW_PARALLEL_K_SEGMENTS // self.rz_tp

@@ -4,113 +4,33 @@
   a run resumed at step s draws exactly the prompts the uninterrupted run drew at s, s+1, ...
   (rollout sampling seeds are already per step, see RolloutSide.collect).
 - Checkpoints are complete and intact or ignored: every rank writes its dist_checkpointing files
-  (megatron_rz.checkpoint: `__<rank>_<i>.distcp`; rank 0 also `.metadata`, `common.pt`,
-  `metadata.json`) and a digest of each (`write_digest`), then rank 0 writes the COMPLETE marker
+  (megatron_rz.learner.checkpoint: `__<rank>_<i>.distcp`; rank 0 also `.metadata`, `common.pt`,
+  `metadata.json`) and a digest of each (`write_digest`, megatron_rz.manifest), then rank 0 writes the COMPLETE marker
   (`mark_complete`: the step and every file's size and BLAKE2b digest, written atomically). `checkpoint.load: latest` picks the newest
   checkpoint that verifies (`verify_checkpoint`): one killed while saving (no marker), with a
   missing, truncated or corrupted file, or with a torn marker is named and skipped for the one
   before. Recipe `checkpoint.verify: size` checks sizes only (no re-read of the files: for very large
-  runs; `set_verify` applies it, megatron_rz.runtime calls it).
+  runs; `set_verify` applies it, megatron_rz.launch.runtime calls it).
 - metrics.jsonl keeps the rows up to the resumed step and drops the ones a killed run wrote after
   its last checkpoint, so the file reads like one uninterrupted run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
 # Imported for its side effect too: it catches SLURM's SIGUSR1 from the moment a trainer loads
 # this module (the signal's default action would kill the process before the first update).
-from megatron_rz import preemption
-from megatron_rz.rundir import checkpoint_dir  # noqa: F401  (the trainers import it from here)
-
-COMPLETE = "COMPLETE"
+from megatron_rz.launch import preemption
+from megatron_rz.launch.rundir import checkpoint_dir  # noqa: F401  (the trainers import it from here)
+from megatron_rz.manifest import COMPLETE, verify_checkpoint
 
 
 def step_rng(seed: int, step: int) -> random.Random:
     """The task-sampling generator of one training step."""
     return random.Random(f"rz-data-{seed}-{step}")
-
-
-DIGEST_SUFFIX = ".blake2b"
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_digest(path: Path) -> None:
-    """Each rank, right after writing a checkpoint file: its digest beside it (ranks hash in parallel)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + DIGEST_SUFFIX + ".tmp")
-    tmp.write_text(file_digest(path))
-    os.replace(tmp, path.with_name(path.name + DIGEST_SUFFIX))
-
-
-def mark_complete(ckpt_dir: Path, step: int) -> None:
-    """Rank 0, once every rank's file and digest are on disk: the COMPLETE manifest, atomically."""
-    d = Path(ckpt_dir)
-    files = {}
-    for f in sorted(d.iterdir()):
-        if f.name == COMPLETE or f.name.endswith((DIGEST_SUFFIX, ".tmp")) or not f.is_file():
-            continue
-        side = f.with_name(f.name + DIGEST_SUFFIX)
-        files[f.name] = {"size": f.stat().st_size,
-                         "blake2b": side.read_text().strip() if side.is_file() else file_digest(f)}
-    tmp = d / (COMPLETE + ".tmp")
-    tmp.write_text(json.dumps({"step": int(step), "files": files}, indent=1))
-    os.replace(tmp, d / COMPLETE)
-
-
-_verify = "hash"  # recipe checkpoint.verify, set through set_verify
-
-
-def set_verify(mode: str) -> None:
-    """How verify_checkpoint checks files by default: "hash" (sizes and BLAKE2b digests) or "size"."""
-    global _verify
-    if mode not in ("hash", "size"):
-        raise ValueError(f"checkpoint verify mode {mode!r}: must be 'hash' or 'size'")
-    _verify = mode
-
-
-def verify_mode() -> str:
-    """The default of verify_checkpoint: "hash" or "size"."""
-    return _verify
-
-
-def verify_checkpoint(ckpt_dir: Path, hashes: bool | None = None) -> str | None:
-    """None when the checkpoint is complete and intact, else what is wrong with it (naming the file).
-    A marker without a manifest (written before manifests existed) counts as complete."""
-    d = Path(ckpt_dir)
-    marker = d / COMPLETE
-    if not marker.is_file():
-        return f"no {COMPLETE} marker (killed while saving)"
-    text = marker.read_text(errors="replace")
-    if not text.lstrip().startswith("{"):
-        return None if text.startswith("step ") else f"{COMPLETE} marker is unreadable"
-    try:
-        files = json.loads(text)["files"]
-    except (ValueError, KeyError, TypeError):
-        return f"{COMPLETE} marker is torn or unreadable"
-    if hashes is None:
-        hashes = _verify != "size"
-    for name, want in files.items():
-        f = d / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} has {f.stat().st_size} bytes, {want['size']} were written (truncated or overwritten)"
-        if hashes and file_digest(f) != want["blake2b"]:
-            return f"{name} is corrupted (its BLAKE2b digest differs from the one written with it)"
-    return None
 
 
 def latest_checkpoint(run_dir: Path, log=print) -> Path | None:
@@ -175,7 +95,7 @@ def eval_before(rows: list[dict]) -> float | None:
 def checkpoint_after_step(learner, recipe, run_dir: Path, step: int) -> None:
     """Collective, after update `step` (1-based) in both trainers: the periodic checkpoint
     (checkpoint.every; the final one is saved after the loop), then SLURM's preemption request
-    (checkpoint this step and exit for requeue, megatron_rz.preemption)."""
+    (checkpoint this step and exit for requeue, megatron_rz.launch.preemption)."""
     every, total = recipe.checkpoint.every, recipe.schedule.steps
     if every and step % every == 0 and step < total:
         learner.save_checkpoint(checkpoint_dir(run_dir, step), step=step)

@@ -8,7 +8,7 @@ Since d/dtheta w = w * d/dtheta logp, the gradient of -w * A is the importance-w
 policy gradient -w * A * grad logp, which is unbiased for the current policy however old the
 rollout policy was (up to the variance the weight brings).
 
-Losses follow the learner's convention (megatron_rz.learner.Learner.train_step): they return the
+Losses follow the learner's convention (megatron_rz.learner.learner.Learner.train_step): they return the
 SUM over the micro batch's responses; the learner divides by the number of responses in the
 whole batch, so micro-batching and data parallelism do not change the result.
 
@@ -16,7 +16,7 @@ Comparison baselines (same convention, chosen by `make_loss_fn(recipe.algo)`): d
 ratio clipping, token-level aggregation), tis (truncated weight min(w, C)), icepop (tokens with w
 outside [low, high] masked), mis (responses whose sequence ratio exceeds a threshold dropped).
 Batch-level pieces of DAPO (overlong shaping, dynamic sampling, token weights) live in
-megatron_rz.batch_filters.
+megatron_rz.rl.batch_filters.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def dapo_loss(
 
         token_weight[i] = B / N,   B = rows in the batch, N = sum of loss_mask over the whole batch
 
-    (megatron_rz.batch_filters.token_weights_for_token_mean) and this returns
+    (megatron_rz.rl.batch_filters.token_weights_for_token_mean) and this returns
     sum_i token_weight[i] * sum_t l_it; then sum / B = sum_it l_it / N, the batch token mean,
     whatever the micro-batching or data-parallel split (token_weight is computed on the whole batch
     before it is split). token_weight=None falls back to the per-response token mean (GRPO-style

@@ -3,7 +3,7 @@
 The tiny recipes make their base model (tokenizer + random init + SFT warm start); a real run starts
 from a released checkpoint instead: a directory with config.json, *.safetensors and the tokenizer,
 on a filesystem every node sees. Both engines load it natively (the learner through
-megatron_rz.hf_convert, reading only its own shard's tensors; vLLM by itself), so the recipe's
+megatron_rz.learner.hf_convert, reading only its own shard's tensors; vLLM by itself), so the recipe's
 ``model`` section must describe the same network: ``check_pretrained`` compares the architecture
 class and every structural size with the checkpoint's config.json before anything starts, and says
 which keys differ.
@@ -49,7 +49,7 @@ def _rope_theta(cfg):
 
 def check_pretrained(recipe: Recipe) -> Path:
     """The checkpoint directory of ``model.pretrained``, checked against the recipe; RecipeError else."""
-    from megatron_rz.tiny_models import hf_config
+    from megatron_rz.learner.tiny_models import hf_config
 
     raw = recipe.model.pretrained
     path = Path(raw).expanduser().resolve()
@@ -114,7 +114,7 @@ def weights_hash(model_dir: str | Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m megatron_rz.pretrained DIR...`` prints each checkpoint's weights hash;
+    """``python -m megatron_rz.learner.pretrained DIR...`` prints each checkpoint's weights hash;
     ``--recipe RECIPE [overrides...]``: those of the base model(s) in the recipe's run dir."""
     if argv[:1] == ["--recipe"]:
         from megatron_rz.recipe import load_recipe

@@ -70,7 +70,7 @@ def base_model_dir(recipe: Recipe, run_dir: Path) -> tuple[Path, bool]:
 def build_base_model(recipe: Recipe, target: Path, progress: bool = True) -> dict:
     """Warm-start into a side directory, then rename it into place: a killed build never leaves a
     directory that looks like a base model (a stale partial one is replaced)."""
-    from megatron_rz.tiny_models import warm_start
+    from megatron_rz.learner.tiny_models import warm_start
 
     target = Path(target)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
@@ -259,3 +259,29 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b and not any(key == f"{s}.{f}" for s, fs in NOT_RESULTS.items() for f in fs):
             out.append(f"{key}: {a!r} -> {b!r}")
     return out
+
+
+def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
+    """The starting checkpoint: model.pretrained (checked against the recipe), else the tiny model
+    (tokenizer + random init + SFT warm start) made for this recipe's base-model hash: base_model/
+    when it was made from the same settings, else base_model-<hash>/ (base_model_dir). Collective:
+    rank 0 builds it, every rank waits."""
+    import torch.distributed as dist
+
+    from megatron_rz.learner.ranks import rank
+
+    if recipe.model.pretrained:
+        from megatron_rz.learner.pretrained import check_pretrained
+
+        return check_pretrained(recipe)
+    base, missing = base_model_dir(recipe, run_dir)
+    if base.name != "base_model" and rank() == 0:
+        print(f"[rz] {run_dir / 'base_model'} was made from other model/task/warm-start settings: "
+              f"{'making' if missing else 'using'} {base}", flush=True)
+    if missing:
+        if rank() == 0:
+            info = build_base_model(recipe, base, progress=recipe.logging.progress)
+            print(f"[rz] warm start done: {json.dumps(info)}", flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+    return base

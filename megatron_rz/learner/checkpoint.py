@@ -4,7 +4,7 @@ A checkpoint directory (`checkpoints/step_N/`) is a Megatron dist_checkpointing 
 `torch_dist` format (PyTorch Distributed Checkpoint files `__<rank>_<i>.distcp` + `.metadata`,
 Megatron's `common.pt` and `metadata.json`), written with the fully-parallel save strategy over the
 data-parallel group, plus a BLAKE2b digest beside each file and, last, the `COMPLETE` manifest
-(megatron_rz.resume). Every tensor is stored under its global Megatron name and global shape:
+(megatron_rz.manifest, megatron_rz.loop.resume). Every tensor is stored under its global Megatron name and global shape:
 
 - the model: `GPTModel.sharded_state_dict()` (TP shards, expert-parallel experts as one stacked
   tensor [experts, ...]);
@@ -76,8 +76,8 @@ def save(learner, ckpt_dir, step: int) -> Path:
     files with their digests, then rank 0's COMPLETE manifest (the checkpoint counts from then)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rz.megatron_patches import init_adam_state
-    from megatron_rz.resume import COMPLETE, mark_complete, write_digest
+    from megatron_rz.learner.megatron_patches import init_adam_state
+    from megatron_rz.manifest import COMPLETE, mark_complete, write_digest
 
     d = Path(ckpt_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,7 +133,7 @@ def load(learner, ckpt_dir) -> int:
     checkpoint written by `save` under any layout; returns the stored step."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rz.megatron_patches import init_adam_state, unshare_adam_steps
+    from megatron_rz.learner.megatron_patches import init_adam_state, unshare_adam_steps
 
     d = Path(ckpt_dir)
     rz = read_common(d)

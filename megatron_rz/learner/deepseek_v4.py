@@ -115,7 +115,7 @@ class DeepseekV4MoE(nn.Module):
         import kernels
         from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-        from megatron_rz.aligned_spec import all_gather_first_dim, gather_seq
+        from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq
 
         c = self.c
         w = lambda n: R.lookup(self, n.removeprefix("ffn."))

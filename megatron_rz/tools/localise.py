@@ -156,7 +156,7 @@ def localise(learner, side, base, recipe, prompt_ids: list[int] | None, vllm_sam
     sample; returns the report on rank 0 ({} elsewhere). ``vllm_sampling`` / ``learner_sampling``:
     the sampling settings each side ran with (default: the recipe's; they differ only under an
     injected sampling fault); the reference uses the recipe's contract."""
-    from megatron_rz.ranks import broadcast_object
+    from megatron_rz.learner.ranks import broadcast_object
 
     order = tap_order(recipe.model.num_layers)
     contract = recipe.rollout.sampling_contract()

@@ -1,6 +1,6 @@
 """Run the learner on a fixed batch under one parallel layout and save what it computed.
 
-    python -m torch.distributed.run --nproc-per-node 2 -m megatron_rz.parallel_check \\
+    python -m torch.distributed.run --nproc-per-node 2 -m megatron_rz.learner.parallel_check \\
         --hf-dir D --tp 2 --ep 1 --out F.pt [--mode aligned] [--set model.arch=deepseek_v3 ...]
 
 Builds the learner (dp = world size / tp), computes log-probs of a fixed batch, runs two
@@ -9,7 +9,7 @@ log-probs again and exports the Hugging Face weights. Rank 0 saves
 {"logprobs_before", "logprobs_after", "metrics", "weights", "layout"} to --out. Comparing the
 files of two layouts (e.g. TP=2 against TP=1) checks that parallelism does not change the result.
 `run_check` is the same thing as a function (world size 1 runs in-process). `--mode aligned` uses the
-aligned learner (megatron_rz.aligned_spec), whose log-probs must then be torch.equal across layouts.
+aligned learner (megatron_rz.learner.aligned_spec), whose log-probs must then be torch.equal across layouts.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
               save_dir: str | None = None, load_dir: str | None = None) -> dict:
     """``save_after=k, save_dir=D``: write a learner checkpoint to D after step k; ``load_dir=D``:
     start from such a checkpoint (then ``steps`` more steps)."""
-    from megatron_rz.learner import Learner
+    from megatron_rz.learner.learner import Learner
 
     dp = world_size // tp
     recipe = load_recipe(recipe_path, list(overrides) + [f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.dp={dp}"])

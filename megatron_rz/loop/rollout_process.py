@@ -1,15 +1,15 @@
 """The rollout process, for schedule.max_lag > 0: rollout and learner run at once.
 
-The training loop is megatron_rz.trainer.train (one loop for every max_lag); this module is the
+The training loop is megatron_rz.loop.trainer.train (one loop for every max_lag); this module is the
 rollout it talks to when rollout and learner overlap.
 
 Processes
     learner ranks   the main process(es) (torchrun for tp/ep/dp > 1): Megatron learner, metrics.
     rollout         one process spawned by global rank 0 (multiprocessing "spawn"; ``RolloutProcess``)
-                    running ``run_rollout``: task, tokenizer and engine (megatron_rz.rollout.RolloutSide:
+                    running ``run_rollout``: task, tokenizer and engine (megatron_rz.loop.rollout.RolloutSide:
                     a local vLLM engine with its engine-core/worker processes under it, or the job's
                     vLLM servers for rollout.where=servers) and the one producer
-                    (megatron_rz.rollout.Producer: groups, rewards, shaping, dynamic sampling, seeds,
+                    (megatron_rz.loop.rollout.Producer: groups, rewards, shaping, dynamic sampling, seeds,
                     lag bound) over vllm_bridge.streaming.StreamingGenerator (or the servers'
                     stream, the same surface over HTTP).
 
@@ -109,7 +109,7 @@ def run_rollout(recipe_dict: dict, base: str, run_dir: str, v0: int, start_step:
     engine is closed on the way out, whatever happens."""
     import socket
 
-    from megatron_rz.rollout import Producer, RolloutSide, connect_engine
+    from megatron_rz.loop.rollout import Producer, RolloutSide, connect_engine
     from vllm_bridge.streaming import StreamingGenerator
 
     recipe = Recipe.model_validate(recipe_dict)
@@ -243,7 +243,7 @@ class _ProcessLoop:
 
 class _OutOfProcess:
     """What the training loop calls on a rollout that runs in another process (RolloutProcess;
-    megatron_rz.rollout.InlineRollout is the in-process one): weights go out
+    megatron_rz.loop.rollout.InlineRollout is the in-process one): weights go out
     through the filesystem transport, batches and evaluations come back as messages."""
 
     pad_id = None

@@ -3,7 +3,7 @@
 vLLM generates under several batchings (many concurrent sequences of mixed lengths, then each
 prompt alone); the learner recomputes every sampled token's logprob on the same weights, with
 several micro-batch sizes. In `aligned` mode the claim is bitwise equality everywhere; in `fast`
-mode the report shows what the mismatch is. When tokens differ (aligned mode), megatron_rz.localise
+mode the report shows what the mismatch is. When tokens differ (aligned mode), megatron_rz.tools.localise
 replays one mismatching sequence through vLLM alone, the learner and the kernels-only reference
 forward with activation taps, and names the first layer and op where each side leaves the
 reference.
@@ -28,10 +28,11 @@ import random
 import torch
 import torch.distributed as dist
 
-from megatron_rz.diagnostics import mismatch_stats
+from megatron_rz.rl.diagnostics import mismatch_stats
 from megatron_rz.recipe import Recipe
-from megatron_rz.ranks import broadcast_object, rank
-from megatron_rz.trainer import RolloutSide, build_batch, prepare_base_model
+from megatron_rz.learner.ranks import broadcast_object, rank
+from megatron_rz.launch.rundir import prepare_base_model
+from megatron_rz.loop.trainer import RolloutSide, build_batch
 
 
 def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int, sampling: dict) -> dict[str, list]:
@@ -112,8 +113,8 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
             not str(g.get("inject_fault", "x:sampling.")).partition(":")[2].startswith("sampling.")
             for g in sampling_grid):
         raise ValueError("a grid point's inject_fault must be a sampling fault (SIDE:sampling.KEY=VALUE)")
-    from megatron_rz.learner import Learner
-    from megatron_rz.model import init_parallel
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.learner.model import init_parallel
 
     init_parallel(recipe.parallel, seed=recipe.schedule.seed)
     run_dir = recipe.run_dir
@@ -183,7 +184,7 @@ def _check_setting(recipe: Recipe, learner, side, rollout_dir, num_prompts: int,
                 first_bad_prompt = list(samples_[int(bad_rows[0])].prompt_ids)
     report["all_bitwise_equal"] = all_equal
     if not all_equal and recipe.mode == "aligned":
-        from megatron_rz.localise import localise
+        from megatron_rz.tools.localise import localise
 
         report["localisation"] = localise(learner, side, rollout_dir, recipe, first_bad_prompt,
                                           vllm_sampling=vllm_kw, learner_sampling=learner_kw)

@@ -1,7 +1,7 @@
 """Batch-level pieces of the DAPO baseline: overlong reward shaping, dynamic sampling, token weights.
 
 Pure functions on CPU tensors; nothing here imports Megatron or vLLM. How the one rollout producer
-(megatron_rz.rollout.Producer) and the loop use them for algo.name == "dapo":
+(megatron_rz.loop.rollout.Producer) and the loop use them for algo.name == "dapo":
 
     rewards = overlong_shaping(rewards, response_lengths, max_new_tokens, buffer, penalty)  # if buffer > 0
     a group with dynamic_sampling_keep(...) all False is dropped and a fresh prompt submitted
@@ -48,7 +48,7 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor, atol: 
     """Bool mask [B]: True for rows whose group's rewards are not all equal (max - min > atol).
 
     Groups with all-equal rewards have zero group-mean advantage everywhere and no gradient; DAPO
-    drops them and refills the batch (megatron_rz.rollout.Producer.collect).
+    drops them and refills the batch (megatron_rz.loop.rollout.Producer.collect).
     """
     rewards = rewards.to(torch.float64).reshape(-1)
     group_ids = group_ids.reshape(-1)

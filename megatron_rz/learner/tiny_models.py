@@ -18,7 +18,7 @@ import torch
 
 from megatron_rz.fingerprint import base_model_hash
 from megatron_rz.recipe import ModelConfig, Recipe, RecipeError
-from megatron_rz.tasks import Task, make_task
+from megatron_rz.rl.tasks import Task, make_task
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

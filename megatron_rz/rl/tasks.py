@@ -197,5 +197,5 @@ def make_task(cfg: TaskConfig) -> Task:
     task = factory(cfg)
     missing = [m for m in ("sample", "eval_set", "reward", "corpus") if not hasattr(task, m)]
     if missing:
-        raise RecipeError(f"task {cfg.name!r} lacks method(s) {missing}; see megatron_rz.tasks.Task")
+        raise RecipeError(f"task {cfg.name!r} lacks method(s) {missing}; see megatron_rz.rl.tasks.Task")
     return task

@@ -14,7 +14,8 @@ import statistics
 import time
 
 from megatron_rz.recipe import Recipe
-from megatron_rz.trainer import RolloutSide, prepare_base_model
+from megatron_rz.launch.rundir import prepare_base_model
+from megatron_rz.loop.trainer import RolloutSide
 
 
 def bench_rollout(recipe: Recipe, rounds: int = 5) -> dict:
@@ -63,7 +64,7 @@ def _cpu_kernels() -> str:
 
 def main_bench(recipe: Recipe, what: str, rounds: int) -> int:
     if what == "async":
-        from megatron_rz.trainer import bench_async_vs_sync
+        from megatron_rz.loop.trainer import bench_async_vs_sync
 
         print(json.dumps(bench_async_vs_sync(recipe, recipe.schedule.steps)))
         return 0

@@ -237,7 +237,7 @@ def load_hf_into_megatron(model, hf_dir_or_state_dict, model_cfg: ModelConfig) -
     """Copy a Hugging Face checkpoint (a directory of *.safetensors, or a state dict with HF names)
     into the Megatron model; each rank reads only the tensors of its own shard."""
     if model_cfg.arch == "deepseek_v4":  # weights named as in the checkpoint: a direct copy
-        from megatron_rz import deepseek_v4
+        from megatron_rz.learner import deepseek_v4
 
         return deepseek_v4.load_weights(model, hf_dir_or_state_dict)
     tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()
@@ -275,7 +275,7 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
     DeepSeek expert bias stays float32 as Megatron keeps it.
     """
     if model_cfg.arch == "deepseek_v4":
-        from megatron_rz import deepseek_v4
+        from megatron_rz.learner import deepseek_v4
 
         yield from deepseek_v4.export_weights(model)
         return

@@ -10,7 +10,7 @@ step. It is collective: every rank calls it every step, and the ranks agree thro
 all-reduce, so all of them save the same step (save_checkpoint is collective too). Then it writes
 PREEMPTED in the run dir and raises SystemExit(0); the batch script sees PREEMPTED, runs
 `scontrol requeue`, and the requeued job starts `rz train ... checkpoint.load=latest`, which
-resumes from that checkpoint (megatron_rz.resume).
+resumes from that checkpoint (megatron_rz.loop.resume).
 
 SIGTERM on a learner (kill, scancel, a scheduler's stop): `rz train` exits at once (143) until the
 training loop starts; from then on (`arm_sigterm_checkpoint`, called by both trainers before their
@@ -100,7 +100,7 @@ def checkpoint_and_exit_if_requested(learner, run_dir, step: int, total_steps: i
     install()
     if step >= total_steps or not _agree(requested_locally()):
         return
-    from megatron_rz.rundir import checkpoint_dir
+    from megatron_rz.launch.rundir import checkpoint_dir
 
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
 """`rz submit RECIPE [overrides] [--dry-run]`: run a recipe as one heterogeneous SLURM job.
 
-The recipe (with its overrides) is resolved and planned first (megatron_rz.planner): a layout that
+The recipe (with its overrides) is resolved and planned first (megatron_rz.launch.planner): a layout that
 cannot run fails here, before anything is written or submitted. Then the resolved recipe and the
 sbatch script rendered from slurm/job.sbatch.j2 are written under cluster.log_dir, and `sbatch`
 submits the script (or --dry-run prints it with the memory plan).
@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rz.planner import Plan, format_plan, make_plan
+from megatron_rz.launch.planner import Plan, format_plan, make_plan
 from megatron_rz.recipe import Recipe, RecipeError, dump_recipe
-from megatron_rz.runtime import child_env
+from megatron_rz.launch.runtime import child_env
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "slurm" / "job.sbatch.j2"
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "job.sbatch.j2"
 
 # Multi-node GPU environment (cluster.env entries override these).
 GPU_ENV = {
@@ -146,7 +146,7 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
     if "/" in python and not Path(python).is_absolute():
         python = str(workdir / python)
     gpu = c.learner.gpus_per_node > 0 or c.rollout.gpus_per_node > 0
-    # runtime.* reach every task (learner ranks and the vllm serve processes) as megatron_rz.runtime exports them
+    # runtime.* reach every task (learner ranks and the vllm serve processes) as megatron_rz.launch.runtime exports them
     env = {**(GPU_ENV if gpu else {}), **child_env(recipe), **c.env}
     if gpu:  # per-job compiler caches: kernels compiled by one job never race another's
         env.setdefault("TRITON_CACHE_DIR", "/tmp/rz-$SLURM_JOB_ID/triton")
@@ -221,11 +221,11 @@ def submit(recipe: Recipe, *, dry_run: bool = False, run_dir: str | None = None,
 
 
 def prepare(recipe_file: str, run_dir: str) -> Path:
-    """The batch script's first step (`python -m megatron_rz.submit prepare RECIPE RUN_DIR`): the
+    """The batch script's first step (`python -m megatron_rz.launch.submit prepare RECIPE RUN_DIR`): the
     checkpoint the rollout servers serve, made (or found) exactly as the learner does, its path
     written to RUN_DIR/rollout/model_dir."""
     from megatron_rz.recipe import load_recipe
-    from megatron_rz.trainer import prepare_base_model
+    from megatron_rz.launch.rundir import prepare_base_model
 
     recipe = load_recipe(recipe_file, [f"logging.run_dir={run_dir}"])
     out = Path(run_dir)
@@ -243,7 +243,7 @@ def prepare(recipe_file: str, run_dir: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[0] != "prepare":
-        print("usage: python -m megatron_rz.submit prepare RECIPE_FILE RUN_DIR", file=sys.stderr)
+        print("usage: python -m megatron_rz.launch.submit prepare RECIPE_FILE RUN_DIR", file=sys.stderr)
         return 2
     try:
         prepare(argv[1], argv[2])

@@ -8,9 +8,9 @@ The recipe fields (megatron_rz.recipe) and where they go:
 | `runtime.gemm_small_tiles` | `kernels.set_gemm_small_tiles` | `RZ_GEMM_SMALL_TILES` (same) |
 | `runtime.native_cpu_kernels` | `RZ_KERNELS_NATIVE`, read by kernels/_native.py at the first kernel call | (same) |
 | `runtime.vllm_patches` | - | `RZ_VLLM_PATCHES`, read by vllm_bridge/vllm_patches.py in every vLLM process |
-| `checkpoint.verify` | `megatron_rz.resume.set_verify` | (every rank applies its recipe) |
+| `checkpoint.verify` | `megatron_rz.manifest.set_verify` | (every rank applies its recipe) |
 | `logging.verbose` | false: Megatron's import notices filtered | false: `VLLM_LOGGING_LEVEL=WARNING` unless set |
-| `parallel.collective_timeout_s` | read by `megatron_rz.model.init_parallel` | (every rank applies its recipe) |
+| `parallel.collective_timeout_s` | read by `megatron_rz.learner.model.init_parallel` | (every rank applies its recipe) |
 
 `rz train / check / bench` call :func:`apply_runtime` right after the recipe loads, so
 torchrun ranks (which run the same command) and vLLM's workers (started by rank 0 afterwards, with
@@ -44,7 +44,7 @@ def apply_runtime(recipe: Recipe) -> None:
     """Apply the recipe's process settings here and export them for the processes started later."""
     import kernels
 
-    from megatron_rz.resume import set_verify
+    from megatron_rz.manifest import set_verify
 
     kernels.set_backend(recipe.runtime.kernels)
     kernels.set_gemm_small_tiles(recipe.runtime.gemm_small_tiles)

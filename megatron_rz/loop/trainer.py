@@ -10,12 +10,12 @@ the task and the logs. One update is
 
 and the rollout behind ``rollout`` depends on the schedule (``open_rollout``):
 
-* max_lag = 0: megatron_rz.rollout.InlineRollout, the producer in rank 0's own process: batch k
+* max_lag = 0: megatron_rz.loop.rollout.InlineRollout, the producer in rank 0's own process: batch k
   is generated after update k's weights are in the engine (in-process transport; the filesystem
   transport for the vLLM servers of rollout.where=servers), so every token has lag 0. A local
   engine that dies is restarted (schedule.engine_restarts) with the current weights and the batch
   or the push is re-run identically (same prompts, same seeds).
-* max_lag = m > 0: megatron_rz.async_trainer.RolloutProcess, a rollout process beside the learner
+* max_lag = m > 0: megatron_rz.loop.rollout_process.RolloutProcess, a rollout process beside the learner
   running the same producer with in-flight weight swaps (filesystem transport); batch k holds
   tokens of versions v0 + k - m .. v0 + k.
 
@@ -38,16 +38,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rz.async_trainer import RolloutProcessError
-from megatron_rz.batch_filters import token_weights_for_token_mean
-from megatron_rz.diagnostics import RunningRatio, mismatch_stats
-from megatron_rz.guards import install_nonfinite_guard
-from megatron_rz.losses import group_advantages, make_loss_fn
-from megatron_rz.metrics import MetricsLogger, plot_run, run_summary
-from megatron_rz.ranks import broadcast_object as broadcast, rank
+from megatron_rz.launch.rundir import prepare_base_model
+from megatron_rz.loop.rollout_process import RolloutProcessError
+from megatron_rz.rl.batch_filters import token_weights_for_token_mean
+from megatron_rz.rl.diagnostics import RunningRatio, mismatch_stats
+from megatron_rz.rl.guards import install_nonfinite_guard
+from megatron_rz.rl.losses import group_advantages, make_loss_fn
+from megatron_rz.loop.metrics import MetricsLogger, plot_run, run_summary
+from megatron_rz.learner.ranks import broadcast_object as broadcast, rank
 from megatron_rz.recipe import Recipe, dump_recipe
-from megatron_rz.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
-from megatron_rz.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
+from megatron_rz.loop.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
+from megatron_rz.loop.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
 
 
 @dataclass
@@ -82,29 +83,6 @@ def build_batch(samples, pad_id: int) -> Batch:
     task_rewards = torch.tensor([s.info.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
     return Batch(ids, mask, old, rewards, group_advantages(rewards, groups), ver,
                  token_weights_for_token_mean(mask), task_rewards)
-
-
-def prepare_base_model(recipe: Recipe, run_dir: Path) -> Path:
-    """The starting checkpoint: model.pretrained (checked against the recipe), else the tiny model
-    (tokenizer + random init + SFT warm start) made for this recipe's base-model hash: base_model/
-    when it was made from the same settings, else base_model-<hash>/ (megatron_rz.rundir)."""
-    from megatron_rz.rundir import base_model_dir, build_base_model
-
-    if recipe.model.pretrained:
-        from megatron_rz.pretrained import check_pretrained
-
-        return check_pretrained(recipe)
-    base, missing = base_model_dir(recipe, run_dir)
-    if base.name != "base_model" and rank() == 0:
-        print(f"[rz] {run_dir / 'base_model'} was made from other model/task/warm-start settings: "
-              f"{'making' if missing else 'using'} {base}", flush=True)
-    if missing:
-        if rank() == 0:
-            info = build_base_model(recipe, base, progress=recipe.logging.progress)
-            print(f"[rz] warm start done: {json.dumps(info)}", flush=True)
-        if dist.is_initialized():
-            dist.barrier()
-    return base
 
 
 class RankZeroStopped(RolloutProcessError):
@@ -189,8 +167,8 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
     """Collective. The rollout of this schedule on rank 0 (None elsewhere), holding the learner's
     weights when the run resumes (version v0 > 0). Its engine: rollout.where (local, or the vLLM
     servers of an rz submit job)."""
-    from megatron_rz import async_trainer
-    from megatron_rz.rollout import connect_engine
+    from megatron_rz.loop import rollout_process
+    from megatron_rz.loop.rollout import connect_engine
 
     v0, rank0, resumed = learner.version, rank() == 0, bool(start_step)
     if recipe.schedule.max_lag == 0:
@@ -204,14 +182,14 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
     if resumed:  # the rollout starts from the learner's weights: that version on disk first
         buckets = learner.hf_weight_buckets()
         if rank0:
-            init = async_trainer.FilesystemTransport(run_dir / async_trainer.WEIGHTS_DIR).push(buckets, v0).paths
+            init = rollout_process.FilesystemTransport(run_dir / rollout_process.WEIGHTS_DIR).push(buckets, v0).paths
         else:
             _drain(buckets)
     if not rank0:
         return None
     if recipe.schedule.eval_every:
         print("[rz] max_lag > 0: schedule.eval_every is not used (evaluation before and after only)", flush=True)
-    return async_trainer.RolloutProcess(recipe, base, run_dir, v0, start_step, init)
+    return rollout_process.RolloutProcess(recipe, base, run_dir, v0, start_step, init)
 
 
 def lag_stats(versions: torch.Tensor, mask: torch.Tensor, learner_version: int, max_lag: int) -> dict:
@@ -249,9 +227,9 @@ def train(recipe: Recipe) -> dict:
     """Run the recipe, whatever its schedule; returns the final summary on rank 0 ({} elsewhere)."""
     from tqdm import tqdm
 
-    from megatron_rz.learner import Learner
-    from megatron_rz.model import init_parallel
-    from megatron_rz.preemption import arm_sigterm_checkpoint
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.learner.model import init_parallel
+    from megatron_rz.launch.preemption import arm_sigterm_checkpoint
 
     max_lag, steps = recipe.schedule.max_lag, recipe.schedule.steps
     run_dir = recipe.run_dir
@@ -382,7 +360,7 @@ def train(recipe: Recipe) -> dict:
             with contextlib.suppress(Exception):
                 logger.close()
         if rank0:
-            from megatron_rz.async_trainer import WEIGHTS_DIR
+            from megatron_rz.loop.rollout_process import WEIGHTS_DIR
 
             shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)  # versions in flight to the rollout process
 

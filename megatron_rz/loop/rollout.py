@@ -11,13 +11,13 @@ a fresh prompt submitted for every group whose rewards are all equal. It drives 
   synchronous schedule, where batch k is produced between update k-1's weight push and update k.
 * ``vllm_bridge.streaming.StreamingGenerator`` (or the servers' ``RolloutClient.stream()``, the
   same surface): submit / step with in-flight weight swaps, for max_lag > 0 in the rollout process
-  (megatron_rz.async_trainer).
+  (megatron_rz.loop.rollout_process).
 
 The lag bound (max_lag = m): batch k is trained at learner version v0 + k; its prompts are
 submitted only once the generator holds a version >= v0 + k - m (``allowed``). m = 0 is the
 synchronous case: the weights of update k-1 are in the engine before batch k is asked for.
 
-``InlineRollout`` is the max_lag = 0 rollout of the one training loop (megatron_rz.trainer.train):
+``InlineRollout`` is the max_lag = 0 rollout of the one training loop (megatron_rz.loop.trainer.train):
 the producer in the trainer's own process, its engine restarted when it dies.
 """
 
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_rz.batch_filters import DynamicSamplingError, dynamic_sampling_keep, overlong_shaping
+from megatron_rz.rl.batch_filters import DynamicSamplingError, dynamic_sampling_keep, overlong_shaping
 from megatron_rz.recipe import Recipe
-from megatron_rz.resume import step_rng
-from megatron_rz.tasks import Problem, make_task
+from megatron_rz.loop.resume import step_rng
+from megatron_rz.rl.tasks import Problem, make_task
 
 REFILL_SEED_STRIDE = 7919  # the r-th refill of a batch: seed offset r * this
 MAX_REFILLS_PER_GROUP = 8
@@ -281,7 +281,7 @@ class InlineRollout:
     rollout.where=servers: the filesystem transport on the run directory), local engine restarts
     on death.
 
-    Interface shared with async_trainer.RolloutProcess (what train() calls):
+    Interface shared with rollout_process.RolloutProcess (what train() calls):
     ``push_weights(buckets, version, verify=)``, ``batch(k) -> (samples, meta)``, ``evaluate()``
     (None where only before/after evaluations exist), ``eval_before()``, ``finish()``, ``close()``,
     ``restart(error, step, version)``, ``pad_id``."""

@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from megatron_rz import megatron_patches
+from megatron_rz.learner import megatron_patches
 from megatron_rz.recipe import ModelConfig, ParallelConfig
 
 
@@ -301,7 +301,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
     placeholders until hf_convert.load_hf_into_megatron fills them.
 
     mode="fast": the modules above (Megatron's stock numerics). mode="aligned": the same model and
-    parameters, every forward op through `kernels` (megatron_rz.aligned_spec), bitwise equal to
+    parameters, every forward op through `kernels` (megatron_rz.learner.aligned_spec), bitwise equal to
     kernels.models.qwen3_dsv3 for any batching / TP (1, 2) / EP (1, 2). RoPE is then applied
     inside the aligned attention modules (float64 tables), so GPTModel gets no position embedding."""
     from megatron.core.models.gpt import GPTModel
@@ -316,7 +316,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
     final_norm = RMSNorm
     pos_emb = "rope" if m.arch in ("qwen3_moe", "qwen2") else "none"
     if mode == "aligned":
-        from megatron_rz import aligned_spec
+        from megatron_rz.learner import aligned_spec
 
         aligned_spec.check_aligned_supported(m, parallel)
         layer_specs = [aligned_spec.aligned_layer_spec(s, m, RMSNorm, CoreAttention) for s in layer_specs]
@@ -349,7 +349,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
         # DDP allocates its grad buffers there (torch.cuda.current_device(), set by init_parallel).
         model = model.cuda(torch.cuda.current_device())
     if mode == "aligned":
-        from megatron_rz import aligned_spec
+        from megatron_rz.learner import aligned_spec
 
         aligned_spec.alignify_model(model, RMSNorm, CoreAttention)
     return model

@@ -24,7 +24,7 @@ sums over all micro batches and dp ranks divided by B (i.e. means over the B row
 
 Checkpoints: `save_checkpoint(dir)` writes a Megatron dist_checkpointing checkpoint (torch_dist
 format: every tensor under its global name and shape; model, optimizer incl. Adam moments, version,
-RNG; see megatron_rz.checkpoint), so a run saved at one tp / ep / dp layout resumes at another
+RNG; see megatron_rz.learner.checkpoint), so a run saved at one tp / ep / dp layout resumes at another
 (`load_checkpoint`), e.g. TP=2/EP=2 on two ranks -> TP=1/EP=1 on one and back.
 
 Parameters must be float32 on CPU: Megatron's bf16 optimizer only accepts CUDA tensors.
@@ -34,7 +34,7 @@ on GPU LOCAL_RANK and the collectives run over NCCL (model.init_parallel / build
 and per-row tensors may be passed on the CPU (they are moved per micro batch), and `logprobs` /
 `train_step(...)["logprobs"]` are returned on the CPU either way (what the trainers expect).
 
-`mode="aligned"` (recipe field `mode`) builds the model from megatron_rz.aligned_spec: every forward
+`mode="aligned"` (recipe field `mode`) builds the model from megatron_rz.learner.aligned_spec: every forward
 op goes through `kernels`, the vocab-parallel logits are gathered to the full vocabulary and
 `kernels.logprobs_from_logits` (log_softmax(logits / T) in fp32) is applied, so `logprobs` is
 torch.equal to kernels.models.qwen3_dsv3.reference_logprobs for any micro-batch size, batch
@@ -51,8 +51,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rz import hf_convert
-from megatron_rz.model import build_gpt_model, init_parallel
+from megatron_rz.learner import hf_convert
+from megatron_rz.learner.model import build_gpt_model, init_parallel
 from megatron_rz.recipe import AlgoConfig, ModelConfig, ParallelConfig
 from kernels.sampling import truncation_active
 from vllm_bridge.transport import DEFAULT_BUCKET_BYTES
@@ -96,7 +96,7 @@ class Learner:
         self.dp_group = ps.get_data_parallel_group()
 
         if model_cfg.arch == "deepseek_v4":
-            from megatron_rz import deepseek_v4
+            from megatron_rz.learner import deepseek_v4
 
             model = deepseek_v4.build_model(model_cfg, parallel, hf_dir)
         else:
@@ -292,9 +292,9 @@ class Learner:
 
     def save_checkpoint(self, ckpt_dir, step: int | None = None) -> Path:
         """Collective: a Megatron dist_checkpointing checkpoint of model, optimizer, version and RNG
-        (megatron_rz.checkpoint), resumable under any layout; `step` (the trainer's step; default:
+        (megatron_rz.learner.checkpoint), resumable under any layout; `step` (the trainer's step; default:
         version) is stored and returned by load_checkpoint. COMPLETE is written last."""
-        from megatron_rz import checkpoint
+        from megatron_rz.learner import checkpoint
 
         if self.optimizer is None:
             raise RuntimeError("this Learner was built with train=False (scoring only): it has no optimizer to checkpoint")
@@ -303,7 +303,7 @@ class Learner:
     def load_checkpoint(self, ckpt_dir) -> int:
         """Restore model, optimizer and version from save_checkpoint's files (written under any
         tp / ep / dp layout); returns the stored step."""
-        from megatron_rz import checkpoint
+        from megatron_rz.learner import checkpoint
 
         if self.optimizer is None:
             raise RuntimeError("this Learner was built with train=False (scoring only): load a checkpoint into a training learner")

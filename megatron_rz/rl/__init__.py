@@ -1,0 +1,1 @@
+"""RL maths: losses, advantages, mismatch diagnostics, batch filters, non-finite guards, tasks and rewards."""

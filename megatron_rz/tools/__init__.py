@@ -1,0 +1,1 @@
+"""Diagnostic commands: `rz check` (parity + localisation) and `rz bench rollout`."""
