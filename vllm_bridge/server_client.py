@@ -501,6 +501,9 @@ class ServerStream:
         self.swaps: list[dict] = []
         self._lock = threading.Lock()
         self._health_at = time.monotonic()
+        # Swaps under requests in flight (StreamingGenerator.in_flight_swaps): the servers' vLLM
+        # labels every token with its weight version (0.32; vllm_compat item 4).
+        self.in_flight_swaps = True
 
     @property
     def version(self) -> int:
