@@ -100,6 +100,7 @@ import kernels
 from kernels import tree_sum
 
 from . import kda as _kda
+from .qwen3_dsv3 import config_get
 
 __all__ = [
     "KimiConfig",
@@ -174,16 +175,6 @@ class KimiConfig:
         return float(self.qk_head_dim ** (-0.5))
 
 
-def _get(cfg: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        if isinstance(cfg, Mapping):
-            if cfg.get(n) is not None:
-                return cfg[n]
-        elif getattr(cfg, n, None) is not None:
-            return getattr(cfg, n)
-    return default
-
-
 def kimi_config(config: Any) -> KimiConfig:
     """KimiConfig from a config.json dict (Kimi-Linear / K3 checkpoint keys, or a K3 dict with a
     ``text_config``), a transformers ``KimiLinearConfig`` (or its ``to_dict()``), a checkpoint dir,
@@ -193,13 +184,13 @@ def kimi_config(config: Any) -> KimiConfig:
     if isinstance(config, (str, os.PathLike)):
         with open(os.path.join(config, "config.json")) as f:
             config = json.load(f)
-    tc = _get(config, "text_config")
+    tc = config_get(config, "text_config")
     if tc is not None:
         config = tc
-    n_layers = int(_get(config, "num_hidden_layers"))
-    lac = _get(config, "linear_attn_config", default={}) or {}
+    n_layers = int(config_get(config, "num_hidden_layers"))
+    lac = config_get(config, "linear_attn_config", default={}) or {}
 
-    lt = _get(config, "layer_types")
+    lt = config_get(config, "layer_types")
     if lt is not None:
         layer_types = ["kda" if t == "linear_attention" else "mla" for t in lt]
         bad = [t for t in lt if t not in ("linear_attention", "full_attention")]
@@ -213,62 +204,62 @@ def kimi_config(config: Any) -> KimiConfig:
     if len(layer_types) != n_layers:
         raise ValueError(f"kimi_config: {len(layer_types)} layer types for {n_layers} layers")
 
-    n_exp = int(_get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
-    mt = _get(config, "mlp_layer_types")
+    n_exp = int(config_get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
+    mt = config_get(config, "mlp_layer_types")
     if mt is not None:
         mlp_types = ["moe" if t == "sparse" else "dense" for t in mt]
     else:
-        first = int(_get(config, "first_k_dense_replace", default=0) or 0)
-        freq = int(_get(config, "moe_layer_freq", default=1) or 1)
+        first = int(config_get(config, "first_k_dense_replace", default=0) or 0)
+        freq = int(config_get(config, "moe_layer_freq", default=1) or 1)
         mlp_types = ["moe" if n_exp and i >= first and i % freq == 0 else "dense" for i in range(n_layers)]
 
-    hidden = int(_get(config, "hidden_size"))
-    eps = float(_get(config, "rms_norm_eps", default=1e-5))
-    if "mla" in layer_types and _get(config, "mla_use_nope", default=True) is False:
+    hidden = int(config_get(config, "hidden_size"))
+    eps = float(config_get(config, "rms_norm_eps", default=1e-5))
+    if "mla" in layer_types and config_get(config, "mla_use_nope", default=True) is False:
         raise NotImplementedError("kimi_config: MLA with rotary embeddings (mla_use_nope=false) is not supported")
-    act = str(_get(config, "hidden_act", default="silu"))
+    act = str(config_get(config, "hidden_act", default="silu"))
     if act not in ("silu", "situ"):
         raise NotImplementedError(f"kimi_config: hidden_act {act!r} (silu or situ)")
-    grouped = bool(_get(config, "use_grouped_topk", default=True))
-    score = str(_get(config, "moe_router_activation_func", default="sigmoid"))
+    grouped = bool(config_get(config, "use_grouped_topk", default=True))
+    score = str(config_get(config, "moe_router_activation_func", default="sigmoid"))
     if score not in ("sigmoid", "softmax"):
         raise NotImplementedError(f"kimi_config: router activation {score!r}")
-    lb = _get(config, "activation_situ_linear_beta")
-    latent = _get(config, "routed_expert_hidden_size")
-    arb = _get(config, "attn_res_block_size")
+    lb = config_get(config, "activation_situ_linear_beta")
+    latent = config_get(config, "routed_expert_hidden_size")
+    arb = config_get(config, "attn_res_block_size")
     kda_cfg = _kda.kda_config(config) if "kda" in layer_types else None
     return KimiConfig(
         hidden_size=hidden,
         num_layers=n_layers,
-        vocab_size=int(_get(config, "vocab_size")),
+        vocab_size=int(config_get(config, "vocab_size")),
         rms_norm_eps=eps,
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        tie_word_embeddings=bool(config_get(config, "tie_word_embeddings", default=False)),
         layer_types=layer_types,
         mlp_types=mlp_types,
         kda=kda_cfg,
-        num_heads=int(_get(config, "num_attention_heads", default=0) or 0),
-        q_lora_rank=_get(config, "q_lora_rank"),
-        kv_lora_rank=int(_get(config, "kv_lora_rank", default=0) or 0),
-        qk_nope_head_dim=int(_get(config, "qk_nope_head_dim", default=0) or 0),
-        qk_rope_head_dim=int(_get(config, "qk_rope_head_dim", default=0) or 0),
-        v_head_dim=int(_get(config, "v_head_dim", default=0) or 0),
-        mla_output_gate=bool(_get(config, "mla_use_output_gate", default=False)),
-        mla_norm_eps=_get(config, "mla_norm_eps"),
+        num_heads=int(config_get(config, "num_attention_heads", default=0) or 0),
+        q_lora_rank=config_get(config, "q_lora_rank"),
+        kv_lora_rank=int(config_get(config, "kv_lora_rank", default=0) or 0),
+        qk_nope_head_dim=int(config_get(config, "qk_nope_head_dim", default=0) or 0),
+        qk_rope_head_dim=int(config_get(config, "qk_rope_head_dim", default=0) or 0),
+        v_head_dim=int(config_get(config, "v_head_dim", default=0) or 0),
+        mla_output_gate=bool(config_get(config, "mla_use_output_gate", default=False)),
+        mla_norm_eps=config_get(config, "mla_norm_eps"),
         hidden_act=act,
-        situ_beta=float(_get(config, "activation_situ_beta", default=1.0) or 1.0),
+        situ_beta=float(config_get(config, "activation_situ_beta", default=1.0) or 1.0),
         situ_linear_beta=None if lb is None else float(lb),
-        intermediate_size=int(_get(config, "intermediate_size", default=0) or 0),
-        moe_intermediate_size=int(_get(config, "moe_intermediate_size", default=0) or 0),
+        intermediate_size=int(config_get(config, "intermediate_size", default=0) or 0),
+        moe_intermediate_size=int(config_get(config, "moe_intermediate_size", default=0) or 0),
         num_experts=n_exp,
-        top_k=int(_get(config, "num_experts_per_token", "num_experts_per_tok", default=0) or 0),
-        num_shared_experts=int(_get(config, "num_shared_experts", "n_shared_experts", default=0) or 0),
+        top_k=int(config_get(config, "num_experts_per_token", "num_experts_per_tok", default=0) or 0),
+        num_shared_experts=int(config_get(config, "num_shared_experts", "n_shared_experts", default=0) or 0),
         score=score,
-        num_groups=int(_get(config, "num_expert_group", "n_group", default=1) or 1) if grouped else 1,
-        topk_group=_get(config, "topk_group") if grouped else None,
-        norm_topk_prob=bool(_get(config, "moe_renormalize", "norm_topk_prob", default=True)),
-        routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)),
+        num_groups=int(config_get(config, "num_expert_group", "n_group", default=1) or 1) if grouped else 1,
+        topk_group=config_get(config, "topk_group") if grouped else None,
+        norm_topk_prob=bool(config_get(config, "moe_renormalize", "norm_topk_prob", default=True)),
+        routed_scaling_factor=float(config_get(config, "routed_scaling_factor", default=1.0)),
         latent_size=None if latent is None else int(latent),
-        latent_norm=bool(_get(config, "latent_moe_use_norm", default=False)),
+        latent_norm=bool(config_get(config, "latent_moe_use_norm", default=False)),
         attn_res_block_size=None if arb is None else int(arb),
     )
 
@@ -280,9 +271,7 @@ def _f(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.to(torch.float32)
 
 
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
-    x = _f(x)
-    return 1.0 / (1.0 + torch.exp(-x))
+_sigmoid = _kda.sigmoid  # fp32 1 / (1 + exp(-x)), the same op as KDA's gates
 
 
 def _first(get: Getter, *names: str) -> torch.Tensor:

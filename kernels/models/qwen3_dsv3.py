@@ -138,7 +138,8 @@ class ArchConfig:
         return float(self.qk_head_dim ** (-0.5))
 
 
-def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+def config_get(cfg: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` set (not None) in a config dict or object, else ``default``."""
     for n in names:
         if isinstance(cfg, Mapping):
             if n in cfg and cfg[n] is not None:
@@ -149,7 +150,7 @@ def _get(cfg: Any, *names: str, default: Any = None) -> Any:
 
 
 def _rope(cfg: Any) -> float:
-    rp = _get(cfg, "rope_parameters", "rope_scaling", default=None) or {}
+    rp = config_get(cfg, "rope_parameters", "rope_scaling", default=None) or {}
     if isinstance(rp, Mapping):
         rtype = rp.get("rope_type", rp.get("type", "default"))
         if rtype not in (None, "default"):
@@ -157,11 +158,11 @@ def _rope(cfg: Any) -> float:
         theta = rp.get("rope_theta")
         if theta is not None:
             return float(theta)
-    return float(_get(cfg, "rope_theta", default=10000.0))
+    return float(config_get(cfg, "rope_theta", default=10000.0))
 
 
 def _fp8_mode(config: Any) -> str:
-    mode = str(_get(config, FP8_CONFIG_KEY, default="none"))
+    mode = str(config_get(config, FP8_CONFIG_KEY, default="none"))
     if mode not in ("none", "blockwise"):
         raise ValueError(f"{FP8_CONFIG_KEY}={mode!r}: expected 'none' or 'blockwise'")
     return mode
@@ -174,8 +175,8 @@ def arch_config(config: Any) -> ArchConfig:
     if isinstance(config, (str, os.PathLike)):
         with open(os.path.join(config, "config.json")) as f:
             config = json.load(f)
-    model_type = _get(config, "model_type", default="")
-    archs = _get(config, "architectures", default=[]) or []
+    model_type = config_get(config, "model_type", default="")
+    archs = config_get(config, "architectures", default=[]) or []
     if model_type == "qwen3_moe" or any("Qwen3Moe" in a for a in archs):
         arch = "qwen3_moe"
     elif model_type == "qwen2" or any(a in ("Qwen2ForCausalLM", "RZAlignedQwen2ForCausalLM") for a in archs):
@@ -184,29 +185,29 @@ def arch_config(config: Any) -> ArchConfig:
         arch = "deepseek_v3"
     else:
         raise NotImplementedError(f"aligned forward: unsupported model_type {model_type!r} / {archs}")
-    n_layers = int(_get(config, "num_hidden_layers"))
+    n_layers = int(config_get(config, "num_hidden_layers"))
     common = dict(
         arch=arch,
-        hidden_size=int(_get(config, "hidden_size")),
+        hidden_size=int(config_get(config, "hidden_size")),
         num_layers=n_layers,
-        num_heads=int(_get(config, "num_attention_heads")),
-        num_kv_heads=int(_get(config, "num_key_value_heads", "num_attention_heads")),
-        vocab_size=int(_get(config, "vocab_size")),
-        rms_norm_eps=float(_get(config, "rms_norm_eps", default=1e-6)),
+        num_heads=int(config_get(config, "num_attention_heads")),
+        num_kv_heads=int(config_get(config, "num_key_value_heads", "num_attention_heads")),
+        vocab_size=int(config_get(config, "vocab_size")),
+        rms_norm_eps=float(config_get(config, "rms_norm_eps", default=1e-6)),
         rope_theta=_rope(config),
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        tie_word_embeddings=bool(config_get(config, "tie_word_embeddings", default=False)),
         fp8=_fp8_mode(config),
-        intermediate_size=int(_get(config, "intermediate_size", default=0)),
-        moe_intermediate_size=int(_get(config, "moe_intermediate_size", default=0)),
-        top_k=int(_get(config, "num_experts_per_tok", default=0)),
-        norm_topk_prob=bool(_get(config, "norm_topk_prob", default=False)),
+        intermediate_size=int(config_get(config, "intermediate_size", default=0)),
+        moe_intermediate_size=int(config_get(config, "moe_intermediate_size", default=0)),
+        top_k=int(config_get(config, "num_experts_per_tok", default=0)),
+        norm_topk_prob=bool(config_get(config, "norm_topk_prob", default=False)),
     )
     if arch == "qwen3_moe":
-        n_exp = int(_get(config, "num_experts", "num_local_experts", default=0))
-        mlp_only = set(_get(config, "mlp_only_layers", default=[]) or [])
-        step = int(_get(config, "decoder_sparse_step", default=1) or 1)
+        n_exp = int(config_get(config, "num_experts", "num_local_experts", default=0))
+        mlp_only = set(config_get(config, "mlp_only_layers", default=[]) or [])
+        step = int(config_get(config, "decoder_sparse_step", default=1) or 1)
         moe = [(i not in mlp_only) and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)]
-        hd = _get(config, "head_dim", default=None)
+        hd = config_get(config, "head_dim", default=None)
         return ArchConfig(
             **common,
             head_dim=int(hd) if hd else common["hidden_size"] // common["num_heads"],
@@ -215,7 +216,7 @@ def arch_config(config: Any) -> ArchConfig:
             score="softmax",
         )
     if arch == "qwen2":
-        if bool(_get(config, "use_sliding_window", default=False)):
+        if bool(config_get(config, "use_sliding_window", default=False)):
             raise NotImplementedError("aligned Qwen2: use_sliding_window=true is not supported (full attention only)")
         return ArchConfig(
             **common,
@@ -223,27 +224,27 @@ def arch_config(config: Any) -> ArchConfig:
             moe_layers=[False] * n_layers,
         )
     # deepseek_v3
-    topk_method = _get(config, "topk_method", default="noaux_tc")
-    scoring = _get(config, "scoring_func", default="sigmoid")
+    topk_method = config_get(config, "topk_method", default="noaux_tc")
+    scoring = config_get(config, "scoring_func", default="sigmoid")
     if topk_method != "noaux_tc" or scoring != "sigmoid":
         raise NotImplementedError(f"aligned DeepSeek-V3: topk_method={topk_method}, scoring={scoring} unsupported")
-    n_exp = int(_get(config, "n_routed_experts", default=0))
-    first_dense = int(_get(config, "first_k_dense_replace", default=0))
+    n_exp = int(config_get(config, "n_routed_experts", default=0))
+    first_dense = int(config_get(config, "first_k_dense_replace", default=0))
     moe = [n_exp > 0 and i >= first_dense for i in range(n_layers)]
     return ArchConfig(
         **common,
-        q_lora_rank=_get(config, "q_lora_rank", default=None),
-        kv_lora_rank=int(_get(config, "kv_lora_rank")),
-        qk_nope_head_dim=int(_get(config, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_get(config, "qk_rope_head_dim")),
-        v_head_dim=int(_get(config, "v_head_dim")),
-        rope_interleave=bool(_get(config, "rope_interleave", default=True)),
+        q_lora_rank=config_get(config, "q_lora_rank", default=None),
+        kv_lora_rank=int(config_get(config, "kv_lora_rank")),
+        qk_nope_head_dim=int(config_get(config, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(config_get(config, "qk_rope_head_dim")),
+        v_head_dim=int(config_get(config, "v_head_dim")),
+        rope_interleave=bool(config_get(config, "rope_interleave", default=True)),
         num_experts=n_exp,
         moe_layers=moe,
-        n_shared_experts=int(_get(config, "n_shared_experts", default=0) or 0),
-        n_group=int(_get(config, "n_group", default=1) or 1),
-        topk_group=_get(config, "topk_group", default=None),
-        routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)),
+        n_shared_experts=int(config_get(config, "n_shared_experts", default=0) or 0),
+        n_group=int(config_get(config, "n_group", default=1) or 1),
+        topk_group=config_get(config, "topk_group", default=None),
+        routed_scaling_factor=float(config_get(config, "routed_scaling_factor", default=1.0)),
         score="sigmoid",
         has_expert_bias=True,
     )

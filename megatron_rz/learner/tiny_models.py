@@ -45,7 +45,7 @@ def train_tokenizer(task: Task, vocab_size: int, out_dir: Path, seed: int = 0):
 
 def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
     """The Hugging Face config for the recipe's architecture (a class both vLLM and the learner know)."""
-    common = dict(
+    base = dict(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_layers,
@@ -58,15 +58,17 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
         pad_token_id=pad_id,
         bos_token_id=eos_id,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        num_experts_per_tok=m.top_k,
-        moe_intermediate_size=m.moe_ffn_hidden_size,
-        norm_topk_prob=m.norm_topk_prob,
         dtype=m.dtype,
     )
+    common = dict(base, num_experts_per_tok=m.top_k, moe_intermediate_size=m.moe_ffn_hidden_size,
+                  norm_topk_prob=m.norm_topk_prob)
     if m.arch == "deepseek_v4":
         return _deepseek_v4_config(m, eos_id, pad_id)
     if m.arch == "qwen2":
-        return _qwen2_config(m, eos_id, pad_id)
+        from transformers import Qwen2Config
+
+        # dense; q/k/v biases are implied by the class; head_dim = hidden / heads
+        return Qwen2Config(**base, intermediate_size=m.dense_ffn_hidden_size, use_sliding_window=False)
     if m.arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -101,29 +103,6 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
     cfg.topk_method = "noaux_tc"
     cfg.scoring_func = m.router_score
     return cfg
-
-
-def _qwen2_config(m: ModelConfig, eos_id: int, pad_id: int):
-    """transformers' Qwen2Config (dense; q/k/v biases are implied by the class; head_dim = hidden / heads)."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.dense_ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        rms_norm_eps=m.rms_norm_eps,
-        tie_word_embeddings=m.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        use_sliding_window=False,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=eos_id,
-        dtype=m.dtype,
-    )
 
 
 def _deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
