@@ -337,7 +337,68 @@ def bench_gemm1b(args):
     return rows
 
 
+# ----------------------------------------------------------------------------- row-parallel segments
+
+SEGMENT_COUNTS = (1, 2, 4, 8, 16)
+# (name, K, N) of row-parallel projections (their K is what a TP engine splits)
+SEGMENT_SHAPES = (("moe1b o_proj", 2048, 1024), ("qwen3-30b o_proj", 4096, 2048),
+                  ("qwen2-1.5b o_proj", 1536, 1536), ("qwen2-1.5b down", 8960, 1536),
+                  ("dsv3 o_proj", 16384, 7168), ("dsv3 shared down", 2048, 7168),
+                  ("dsv3 dense down", 18432, 7168))
+
+
+def bench_segments(args):
+    """What a fixed row-parallel K segmentation costs (issue 18): the Triton GEMM and the routed
+    experts' down GEMM at 1 / 2 / 4 / 8 / 16 K segments, decode to prefill M, beside cuBLAS."""
+    from kernels.triton.gemm import matmul, pick_config
+    from kernels.triton.moe import moe_experts_merged
+
+    bench_graph, copies = _bg()
+    rows = []
+    for name, K, N in SEGMENT_SHAPES:
+        for M in (1, 16, 64, 256, 1024, 4096):
+            n = copies(N * K * 2 + M * K * 2)
+            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(n)]
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            tb = bench_graph(lambda i: (lambda: xs[i] @ ws[i].T), n)
+            t1 = None
+            for seg in SEGMENT_COUNTS:
+                if K % seg:
+                    continue
+                ta = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], k_segments=seg)), n)
+                t1 = t1 or ta
+                cfg = pick_config(M, K, N, seg).name
+                rows.append(dict(kind="gemm", name=name, K=K, N=N, M=M, k_segments=seg, config=cfg,
+                                 cublas_us=tb * 1e3, triton_us=ta * 1e3, vs_one_segment=ta / t1))
+                print(f"gemm {name:<18} K={K:5d} N={N:5d} M={M:5d} seg={seg:2d} {cfg:>20} cuBLAS {tb * 1e3:8.1f} us"
+                      f"  triton {ta * 1e3:8.1f} us  /seg1 {ta / t1:5.2f}", flush=True)
+            del ws, xs
+    for name, H, I, E, k in (("qwen3-30b experts", 2048, 768, 128, 8), ("dsv3 experts", 7168, 2048, 256, 8)):
+        n = 1 if E * H * I * 6 > 3 * 2**30 else 2
+        wgu = [torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5 for _ in range(n)]
+        wd = [torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5 for _ in range(n)]
+        for T in (1, 64, 256, 2048):
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            w, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(k, -1)
+            w = w / w.sum(-1, keepdim=True)
+            t1 = None
+            for seg in SEGMENT_COUNTS:
+                if I % seg:
+                    continue
+                ta = bench_graph(lambda i: (lambda: moe_experts_merged(x, wgu[i], wd[i], ids, w, k_segments_down=seg)),
+                                 n, iters=8)
+                t1 = t1 or ta
+                rows.append(dict(kind="moe", name=name, H=H, I=I, E=E, k=k, T=T, k_segments_down=seg,
+                                 aligned_us=ta * 1e3, vs_one_segment=ta / t1))
+                print(f"moe  {name:<18} H={H} I={I} E={E} T={T:5d} seg={seg:2d} {ta * 1e3:9.1f} us  /seg1 {ta / t1:5.2f}",
+                      flush=True)
+        del wgu, wd
+        torch.cuda.empty_cache()
+    return rows
+
+
 NEW_GROUPS = {
+    "segments": bench_segments,
     "gemm1b": bench_gemm1b,
     "rope": bench_rope,
     "router": bench_router,

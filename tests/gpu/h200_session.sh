@@ -8,7 +8,9 @@
 # Stages:
 #   ckpt   random bf16 checkpoints for the engine benchmarks (/root/ckpt/{moe1b,dsv3_4l})
 #   tests  tests/gpu/test_aligned_cuda_engine.py (aligned CUDA engine: batch invariance, decode ==
-#          prefill, == learner kernels, in-place reload) and the Triton kernel tests
+#          prefill, == learner kernels, in-place reload), stock vLLM's in-place reload of the routed
+#          experts, and the Triton kernel tests (GPU_TESTS=... picks files)
+#   segments  the Triton GEMM / routed-expert down GEMM at 1-16 row-parallel K segments (issue 18)
 #   check  `rz check` (Megatron learner on the GPU beside the aligned CUDA engine, CUDA graphs)
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
 #   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers)
@@ -36,8 +38,10 @@ run_stage() {
         [ -f "/root/ckpt/$c/config.json" ] || "$PY" benchmarks/rollout_gpu.py ckpt --config "$c" --out "/root/ckpt/$c"
       done ;;
     tests)
-      timeout 540 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_aligned_cuda_engine.py tests/gpu/test_stock_reload.py \
-        tests/gpu/test_triton_kernels.py 2>&1 | tail -25 | tee "$d/pytest.txt" ;;
+      timeout 540 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_aligned_cuda_engine.py \
+        tests/gpu/test_stock_reload.py tests/gpu/test_triton_kernels.py} 2>&1 | tail -25 | tee "$d/pytest.txt" ;;
+    segments)
+      "$PY" benchmarks/gpu_kernels.py --groups segments --out "$d/segments.json" 2>&1 | tail -120 ;;
     check|fast)
       local mode=aligned; [ "$st" = fast ] && mode=fast
       for r in tiny_moe tiny_dsv3; do
