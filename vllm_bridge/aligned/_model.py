@@ -12,12 +12,14 @@ full-sequence reference runs); only the attention core differs: q/k/v go through
 ``Attention`` layer with the aligned backend (:mod:`.attention_backend`), which writes K/V into the
 paged cache and runs ``kernels.attention`` per sequence.
 
-Tensor parallelism (classes with ``TP_SHARDED = True``, today Qwen3-MoE, when vLLM's
+Tensor parallelism (classes with ``TP_SHARDED = True``, today Qwen3-MoE and DeepSeek-V3, when vLLM's
 tensor_parallel_size > 1, without blockwise FP8): each rank holds a shard and every logprob stays
-bitwise the TP=1 one. The other classes (DeepSeek-V3 / V4) and FP8 models are replicated on every
-TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
-* attention: q/k/v heads split in contiguous blocks (each head is computed as at TP=1); the vLLM
-  ``Attention`` layer is registered with the local head counts, so the KV cache is sharded;
+bitwise the TP=1 one. The other classes (Qwen2, DeepSeek-V4) and blockwise-FP8 models are replicated
+on every TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
+* attention: query heads split in contiguous blocks (each head is computed as at TP=1): Qwen3 q/k/v
+  by heads; DeepSeek-V3 MLA: the latent projections (q_a / kv_a_proj_with_mqa and their norms)
+  replicated, q_b_proj (q_proj) and kv_b_proj column-parallel by heads (see deepseek_v3.py); the
+  vLLM ``Attention`` layer is registered with the local head counts, so the KV cache is sharded;
 * o_proj and dense down_proj row-parallel as the learner's ``megatron_rz.learner.aligned_spec``: each rank
   computes the fp32 partials of its ROW_PARALLEL_K_SEGMENTS / tp K segments
   (``kernels.linear_partial``), the partials are all-gathered over the TP group and added in rank
@@ -26,9 +28,17 @@ TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
 * routed experts split over the ranks (expert parallel, rank r holds experts r*E/tp ..); the router
   is replicated; each rank computes its experts' (token, slot) rows, the ``[T, k, H]`` slot outputs
   are all-reduced (one non-zero term per element: exact), ``kernels.moe_combine`` runs on every rank;
-* embeddings, norms, router gates and lm_head replicated (the logits need no gather).
+  DeepSeek-V3's shared experts are replicated (computed whole on every rank, added by moe_combine);
+* embeddings, norms, router gates (and DeepSeek's e_score_correction_bias) and lm_head replicated
+  (the logits need no gather).
+``_tp_config`` checks divisibility (tp | ROW_PARALLEL_K_SEGMENTS, the head / expert / dense
+intermediate counts by tp, each row-parallel K by ROW_PARALLEL_K_SEGMENTS) and refuses otherwise
+with a one-line ValueError naming the key.
 ``load_weights`` receives full Hugging Face tensors (start-up and the in-place reload of a weight
 sync) and narrows them to the rank's shard (``rz_shards``); other ranks' experts are skipped.
+Weight read-back for a sync's checksums (``vllm_bridge.worker_ext.rz_checksums``, rank 0) reads only
+the replicated kinds (embeddings, norms, router gate and bias), which are full tensors on every
+rank; sharded parameters are not read back (``rz_param_shapes`` reports each worker's shard shapes).
 
 GPU fast path (CUDA, unsharded, no FP8; ``rz_fast``): the same numbers through fewer, larger
 launches and no host synchronisation, so vLLM can replay decode steps as CUDA graphs.
@@ -249,14 +259,29 @@ class RZAlignedForCausalLM(nn.Module):
                 f"{name}: tensor_parallel_size={tp} does not divide ROW_PARALLEL_K_SEGMENTS={seg}: the "
                 "row-parallel o_proj / down_proj could not reproduce the TP=1 (and learner) bits. Use a "
                 f"tensor_parallel_size that divides {seg}.")
-        checks = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-                  "num_experts": c.num_experts}
+        # DeepSeek-V3 MLA expands K/V per query head: only the query head count is split
+        checks = {"num_attention_heads": c.num_heads, "num_experts": c.num_experts}
+        if c.arch != "deepseek_v3":
+            checks["num_key_value_heads"] = c.num_kv_heads
         if not all(c.moe_layers):
             checks["intermediate_size"] = c.intermediate_size
         for what, n in checks.items():
             if n % tp:
                 raise ValueError(f"{name}: {what}={n} is not divisible by tensor_parallel_size={tp}")
-        return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp)
+        # The row-parallel K (o_proj: heads x value head dim; dense down_proj: intermediate_size) must
+        # split into ROW_PARALLEL_K_SEGMENTS equal segments, so that each rank's contiguous block
+        # (its heads / its intermediate slice) is exactly seg / tp of those segments.
+        ks = {"num_attention_heads * " + ("v_head_dim" if c.arch == "deepseek_v3" else "head_dim"):
+              c.num_heads * c.attn_v_dim}
+        if not all(c.moe_layers):
+            ks["intermediate_size"] = c.intermediate_size
+        for what, k in ks.items():
+            if k % seg:
+                raise ValueError(
+                    f"{name}: {what}={k} (a row-parallel K) is not divisible by ROW_PARALLEL_K_SEGMENTS="
+                    f"{seg}: pick a model whose {what} is a multiple of {seg}, or run tensor_parallel_size=1")
+        kv = c.num_heads if c.arch == "deepseek_v3" else c.num_kv_heads  # MLA: K/V per query head
+        return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv // tp)
 
     def _shard(self, name: str, dim: int, full: int) -> None:
         """Record that parameter ``name`` holds block ``rank`` of ``full`` along ``dim``."""

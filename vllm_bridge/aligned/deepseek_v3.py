@@ -20,6 +20,21 @@ vLLM's MLA detection (model_type deepseek_v3 -> model_config.use_mla) does not m
 model builds ordinary ``Attention`` layers with an explicit backend, whose KV cache spec (per-head,
 head_size 96) is what vLLM allocates. Checked bitwise both with and without ``VLLM_MLA_DISABLE=1``;
 no environment variable is needed.
+
+Tensor parallelism (``TP_SHARDED``, vLLM tensor_parallel_size > 1, model.fp8=none): rank r holds query
+heads r*Hq/tp .. (r+1)*Hq/tp - 1. The latent (down) projections q_a_proj / q_a_layernorm and
+kv_a_proj_with_mqa / kv_a_layernorm are replicated (every rank needs the whole latent and the
+shared rope key, as in vLLM's DeepSeek-V3); q_b_proj (or q_proj when q_lora_rank is None) and
+kv_b_proj are column-parallel by heads (their rows are head-major, so a rank's heads are one
+contiguous row block, computed with the TP=1 bits: ``kernels.linear`` is invariant in N); the
+``Attention`` layer is registered with the local head count, so the expanded per-head K/V cache is
+sharded too (1/tp of the cache per worker); o_proj is row-parallel through ``_row_parallel``
+(K = heads * v_head_dim: each rank's heads are a contiguous K block of exactly
+ROW_PARALLEL_K_SEGMENTS / tp segments; ``_tp_config`` refuses a size where that fails). Routed
+experts are split over the ranks (``ExpertShard``); the grouped sigmoid router with its
+e_score_correction_bias, the shared experts, embeddings, norms and lm_head are replicated; the
+first_k_dense_replace layers' MLP is column/row-parallel as Qwen3-MoE's dense path. Blockwise FP8
+models stay replicated at TP > 1 (every worker computes the whole model; see ``_model``).
 """
 
 from __future__ import annotations
@@ -32,11 +47,15 @@ from ._model import Params, RZAlignedForCausalLM
 
 class RZAlignedDeepseekV3ForCausalLM(RZAlignedForCausalLM):
     ARCH = "deepseek_v3"
+    # Sharded over vLLM's tensor-parallel group (see _model's docstring and the module docstring
+    # above): query heads split in contiguous blocks, o_proj row-parallel, experts split; bitwise
+    # the TP=1 engine.
+    TP_SHARDED = True
 
     def _build_attention(self, i, dtype, prefix):
-        c = self.c
+        c, lc = self.c, self.rz_c  # lc: this rank's head count (= c at TP=1)
         H = c.hidden_size
-        nh = c.num_heads
+        nh = lc.num_heads
         m = nn.Module()
         if c.q_lora_rank is None:
             m.q_proj = Params(dtype, weight=(nh * c.qk_head_dim, H))
@@ -50,12 +69,18 @@ class RZAlignedDeepseekV3ForCausalLM(RZAlignedForCausalLM):
         m.o_proj = Params(dtype, weight=(H, nh * c.v_head_dim))
         if c.v_head_dim > c.qk_head_dim:
             raise NotImplementedError("aligned DeepSeek-V3: v_head_dim > qk head dim")
+        # the local heads only: the expanded per-head K/V cache is sharded like the heads
         m.attn = self._make_attn(prefix, nh, c.qk_head_dim, nh, rz_v_head_dim=c.v_head_dim)
+        if self.rz_sharded:  # column-parallel by heads (rows head-major), o_proj row-parallel
+            q = "q_proj" if c.q_lora_rank is None else "q_b_proj"
+            self._shard(f"{prefix}.{q}.weight", 0, c.num_heads * c.qk_head_dim)
+            self._shard(f"{prefix}.kv_b_proj.weight", 0, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim))
+            self._shard(f"{prefix}.o_proj.weight", 1, c.num_heads * c.v_head_dim)
         return m
 
     def _attend(self, layer, q, k, v):
         c = self.c
-        T, nh, D = q.shape
+        T, nh, D = q.shape  # nh: this rank's heads
         if c.v_head_dim < D:
             v = torch.cat([v, v.new_zeros(T, nh, D - c.v_head_dim)], dim=-1)
         o = layer.self_attn.attn(q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous(),
