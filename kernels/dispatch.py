@@ -14,7 +14,8 @@ functions. Differences to keep in mind on CUDA:
   default of ``kernels.triton.default_k_segments``): the segmentation must not depend on N, or a
   column-parallel shard / a merged gate_up weight would change the bits.
 * MoE: ``moe_experts`` runs the grouped Triton kernels (gate/up one K segment, down
-  ``ROW_PARALLEL_K_SEGMENTS``): bitwise the per-expert ``expert_mlp`` of this module.
+  ``ROW_PARALLEL_K_SEGMENTS``, 8, the row-parallel contract of docs/tp.md): bitwise the per-expert
+  ``expert_mlp`` of this module.
 * Gradients: every Triton forward is paired with the autograd of the plain-torch reference
   (``_common.with_reference_grad``): correct to rounding, not invariant.
 """

@@ -20,11 +20,14 @@ is involved; a CPU ``torch.mm`` is *not* invariant in N or in the thread count (
 
 Tensor parallelism
 ------------------
-A row-parallel linear splits K across ranks. ``linear(x, W, k_segments=tp)`` reduces each of the
-``tp`` equal K segments with its own tree and adds the fp32 segment partials in segment order
-(:func:`sum_partials`). Rank ``r`` of a TP group computes ``linear_partial(x_r, W_r)`` on its shard;
-gathering the partials and calling :func:`sum_partials` (rank order) then :func:`finish_linear` gives
-bitwise the result of the one-rank ``linear(x, W, k_segments=tp)``. A plain all-reduce does not.
+A row-parallel linear splits K across ranks. ``linear(x, W, k_segments=s)`` reduces each of the
+``s`` equal K segments with its own tree and adds the fp32 segment partials in segment order
+(:func:`sum_partials`). Rank ``r`` of a TP group of size ``t`` (``t`` dividing ``s``) holds K columns
+``r*K/t .. (r+1)*K/t``, i.e. segments ``r*s/t .. (r+1)*s/t - 1``, and computes one
+``linear_partial`` per segment; gathering every rank's partials in rank order (= segment order) and
+calling :func:`sum_partials` then :func:`finish_linear` gives bitwise the one-rank
+``linear(x, W, k_segments=s)``. A plain all-reduce does not. Every row-parallel projection uses
+``s = ROW_PARALLEL_K_SEGMENTS`` (8), whatever the TP degree (docs/tp.md).
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ __all__ = ["linear", "linear_partial", "sum_partials", "finish_linear"]
 
 
 
-# Every row-parallel projection (attention o_proj, every MLP/expert down_proj) reduces K in this
-# many segments, summed in order, on BOTH sides. A learner with tensor parallel size tp dividing
-# it computes one segment group per rank and adds the fp32 partials in rank order, which is
-# bitwise the one-rank result; so TP=1 and TP=2 learners and a TP=1 vLLM engine agree exactly.
-ROW_PARALLEL_K_SEGMENTS = 2
+# The row-parallel contract (docs/tp.md): every row-parallel projection (attention o_proj, MLA and
+# KDA output, DSv4 grouped output wo_b, every dense / shared / routed-expert down_proj) reduces K in
+# this many equal segments (width K / 8), the fp32 segment partials added in segment order, on BOTH
+# sides (learner and engine). The segmentation is fixed, independent of the TP degree: a TP=t rank
+# computes the 8/t segments of its K shard, the partials are gathered and added in order, which is
+# bitwise the one-rank result. 8 = every single-node TP (1, 2, 4, 8 all divide it); every
+# row-parallel K of a supported model must be a multiple of 8 (megatron_rz.learner.aligned_spec
+# .check_aligned_supported says which recipe key is not).
+ROW_PARALLEL_K_SEGMENTS = 8
 
 def _acc_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     """fp32, or float64 when an input is float64 (for gradcheck-style references)."""
@@ -136,7 +143,8 @@ def linear(
     """Row-invariant ``x[..., K] @ weight[N, K].T + bias[N]`` -> ``[..., N]`` in ``out_dtype``.
 
     ``k_segments``: split K into this many equal segments reduced separately and added in order
-    (match the row-parallel TP degree of the other side; 1 = one tree over all of K).
+    (1 = one tree over all of K; row-parallel projections pass ``ROW_PARALLEL_K_SEGMENTS`` on both
+    sides, whatever their TP degree).
     Differentiable (backward: plain ``F.linear`` in fp32).
     """
     K = x.shape[-1]

@@ -392,5 +392,5 @@ def kda_layer_forward(hidden: torch.Tensor, weights: Weights, config: Any, state
     else:
         gate = lin(lin(hidden, get("g_a_proj.weight")), get("g_b_proj.weight"))
     o = gated_rms_norm(o, gate.unflatten(-1, (H, D)), get("o_norm.weight"), c.rms_norm_eps)
-    out = lin(o.flatten(-2), get("o_proj.weight"))
+    out = lin(o.flatten(-2), get("o_proj.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)  # row-parallel
     return out, {"conv": conv_state, "recurrent": S}

@@ -308,7 +308,8 @@ def make_plan(recipe: Recipe) -> Plan:
         if etp > 1 and segments % etp:
             errors.append(f"rollout.tensor_parallel_size={etp}: the aligned Qwen3-MoE vLLM class shards only at a "
                           f"tensor-parallel size dividing {segments} (the row-parallel K segments that keep it "
-                          "bitwise equal to the learner): use 1 or 2, or mode=fast")
+                          f"bitwise equal to the learner): use one of "
+                          f"{[t for t in range(1, segments + 1) if segments % t == 0]}, or mode=fast")
         shard = etp
         replicated = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
     else:

@@ -1,28 +1,30 @@
 """Aligned ("trainer-inference invariant") Megatron-Core modules: every op of the forward is a
 `kernels` op, so the learner's token log-probs are bitwise those of
 `kernels.models.qwen3_dsv3.reference_logprobs` (and of the aligned vLLM model) for the same
-weights and tokens, whatever the micro-batch size, the batch composition, right padding, TP (1/2)
-or EP (1/2).
+weights and tokens, whatever the micro-batch size, the batch composition, right padding, TP (any tp
+dividing kernels.ROW_PARALLEL_K_SEGMENTS = 8) or EP.
 
 The modules subclass Megatron's own (same parameters, names, TP attributes and gradient plumbing,
 so hf_convert, DDP and the optimizer are unchanged); only `forward` is replaced. `aligned_layer_spec`
 rewrites a local GPT layer spec to use them; `alignify_output_layer` swaps the class of GPTModel's
 output layer (GPTModel builds it directly, not from a spec).
 
-Row-parallel rule (K segmentation; both engines must use the same):
+Row-parallel rule (K segmentation; both engines must use the same; docs/tp.md):
 
-    ROW_PARALLEL_K_SEGMENTS = 2 for EVERY o_proj (attention linear_proj) and EVERY down_proj
-    (dense MLP, shared experts and routed experts): kernels.linear(x, W, k_segments=2).
+    ROW_PARALLEL_K_SEGMENTS (= 8) for EVERY o_proj (attention linear_proj) and EVERY down_proj
+    (dense MLP, shared experts and routed experts):
+    kernels.linear(x, W, k_segments=ROW_PARALLEL_K_SEGMENTS).
     Every other linear (q/k/v/qkv, q_a/q_b, kv_a/kv_b, gate/up, router gate, lm_head): k_segments=1.
 
-Why 2: a row-parallel layer splits K over the TP ranks; rank r computes the fp32 partials of its
-K/tp columns, the partials are all-gathered and added in rank order (`kernels.sum_partials`), which
-equals the one-rank `kernels.linear(..., k_segments=tp)` bitwise. With a FIXED segment count s that
-every TP degree in use divides (s = 2 covers TP = 1 and 2), a TP=t rank computes s/t segment partials
-of its shard and all s partials are added in segment order: TP=1 and TP=2 give the same bits, and a
-TP=1 vLLM engine just calls `linear(..., k_segments=2)`. Routed experts are not TP-split here
-(etp = 1) but use the same rule, so the rule is "every o_proj/down_proj" (and etp=2 would also work).
-The K dims (heads * v_head_dim, intermediate sizes) must be even. To support TP=4 later, s = 4.
+Why a fixed 8: a row-parallel layer splits K over the TP ranks; rank r holds K/tp columns, i.e.
+segments r*s/tp .. (r+1)*s/tp - 1 of the FIXED segmentation s = 8 (width K/8), computes one fp32
+partial per segment (`kernels.linear_partial`), the partials are all-gathered and added in segment
+(= rank) order (`kernels.sum_partials`), which equals the one-rank `kernels.linear(..., k_segments=s)`
+bitwise. The segmentation does not depend on the TP degree, so every tp dividing 8 (1, 2, 4, 8:
+every single-node TP) gives the same bits as TP=1 and as a vLLM engine of any such TP. Routed
+experts are not TP-split here (etp = 1) but use the same rule, so the rule is "every
+o_proj/down_proj". Every row-parallel K (heads * v_head_dim, intermediate sizes) must be a multiple
+of 8 (check_aligned_supported names the recipe key that is not).
 
 Blockwise FP8 (recipe model.fp8=blockwise): the linears a DeepSeek-V3 / vLLM block-FP8 checkpoint
 keeps in e4m3 (attention projections; dense, shared and routed expert gate/up/down) compute
@@ -624,7 +626,9 @@ def check_aligned_supported(model_cfg, parallel) -> None:
         raise NotImplementedError("aligned mode: parallel.etp must be 1")
     if ROW_PARALLEL_K_SEGMENTS % p.tp:
         raise NotImplementedError(
-            f"aligned mode: parallel.tp={p.tp} must divide ROW_PARALLEL_K_SEGMENTS={ROW_PARALLEL_K_SEGMENTS}")
+            f"aligned mode: parallel.tp={p.tp} does not divide the fixed row-parallel K segments "
+            f"(kernels.ROW_PARALLEL_K_SEGMENTS={ROW_PARALLEL_K_SEGMENTS}): set parallel.tp to one of "
+            f"{[t for t in range(1, ROW_PARALLEL_K_SEGMENTS + 1) if ROW_PARALLEL_K_SEGMENTS % t == 0]}")
     if p.pp != 1:
         raise NotImplementedError("aligned mode: pipeline parallelism is not supported")
     if getattr(m, "fp8", "none") != "none" and p.tp != 1:
@@ -636,10 +640,29 @@ def check_aligned_supported(model_cfg, parallel) -> None:
             "have to fall on 128-row block boundaries of each checkpoint tensor. Use parallel.tp=1 "
             "and scale the learner with parallel.dp and parallel.ep (expert parallel is supported), "
             "or set model.fp8=none.")
-    ks = [m.moe_ffn_hidden_size, m.dense_ffn_hidden_size]
-    ks.append(m.num_attention_heads * (m.v_head_dim if m.arch == "deepseek_v3" else m.head_dim))
-    if m.num_shared_experts:
-        ks.append(m.num_shared_experts * m.moe_ffn_hidden_size)
-    for K in ks:
+    for key, K in row_parallel_ks(m).items():
         if K % ROW_PARALLEL_K_SEGMENTS:
-            raise ValueError(f"aligned mode: row-parallel K={K} not divisible by {ROW_PARALLEL_K_SEGMENTS}")
+            raise ValueError(
+                f"aligned mode: row-parallel K {key} = {K} is not a multiple of kernels.ROW_PARALLEL_K_SEGMENTS="
+                f"{ROW_PARALLEL_K_SEGMENTS} (the fixed K segmentation of every o_proj / down_proj, docs/tp.md): "
+                f"make {key} (recipe model section) a multiple of {ROW_PARALLEL_K_SEGMENTS}")
+
+
+def row_parallel_ks(m) -> dict:
+    """{recipe key expression: K} of every row-parallel projection of model config ``m`` (the K
+    that ROW_PARALLEL_K_SEGMENTS must divide): attention output, dense / shared / routed down_proj
+    (DeepSeek-V4: the grouped output wo_b and the expert w2)."""
+    ks = {}
+    if m.arch == "deepseek_v4":
+        ks["model.o_groups * model.o_lora_rank"] = m.o_groups * m.o_lora_rank
+    elif m.arch == "deepseek_v3":
+        ks["model.num_attention_heads * model.v_head_dim"] = m.num_attention_heads * m.v_head_dim
+    else:
+        ks["model.num_attention_heads * model.head_dim"] = m.num_attention_heads * m.head_dim
+    if m.num_experts:
+        ks["model.moe_ffn_hidden_size"] = m.moe_ffn_hidden_size
+    if not m.num_experts or m.first_k_dense:
+        ks["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    if m.num_shared_experts:
+        ks["model.num_shared_experts * model.moe_ffn_hidden_size"] = m.num_shared_experts * m.moe_ffn_hidden_size
+    return ks

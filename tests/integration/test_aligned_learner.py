@@ -1,6 +1,7 @@
 """The aligned Megatron-Core learner (recipe `mode: aligned`) against the kernels-only reference
 forward (kernels.models.qwen3_dsv3.reference_logprobs) and against itself under batching,
-micro-batching, right padding, TP=2 and EP=2 (real megatron-core 0.16.1 on CPU over gloo).
+micro-batching, right padding, TP=2, TP=4 and EP=2 (real megatron-core 0.16.1 on CPU over gloo).
+Every row-parallel o_proj / down_proj follows the fixed 8-segment contract (docs/tp.md), whatever TP.
 
 The claim tested is bitwise (torch.equal), not approximate: for the same weights and tokens,
 Learner.logprobs in aligned mode == reference_logprobs, whatever the batch / layout.
@@ -188,10 +189,11 @@ def test_aligned_close_to_fast_and_trains(ckpts, reference, arch):
 # ------------------------------------------------------------------ (d) TP=2 / EP=2
 
 
-def _torchrun(recipe_path, hf_dir, tp, ep, out):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+def _torchrun(recipe_path, hf_dir, tp, ep, out, nproc=2, sets=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            "-m", "megatron_rz.learner.parallel_check", "--recipe", str(recipe_path), "--mode", "aligned",
            "--hf-dir", str(hf_dir), "--tp", str(tp), "--ep", str(ep), "--out", str(out), "--steps", "1"]
+    cmd += [a for kv in sets for a in ("--set", kv)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -289,4 +291,39 @@ def test_aligned_qwen2_tp2_bitwise(tmp_path, reference):
     gn = abs(got["metrics"][0]["grad_norm"] - base["metrics"][0]["grad_norm"]) / base["metrics"][0]["grad_norm"]
     wd = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
     assert any(k.endswith("q_proj.bias") for k in got["weights"])
+    assert gn < 1e-5 and wd < 1e-5
+
+
+# ------------------------------------------------------------------ (g) TP=4: 2 of the 8 K segments per rank
+
+
+def test_aligned_tp4_bitwise(tmp_path, reference):
+    """Qwen3-MoE at learner TP=4 (4 gloo ranks; recipes/tiny_moe.yaml with model.num_kv_heads=4 so
+    that TP=4 divides the KV heads): each rank computes 2 of the kernels.ROW_PARALLEL_K_SEGMENTS = 8
+    row-parallel K segments; the log-probs are bitwise TP=1's and the reference's, and one update
+    later the layouts agree to fp32 rounding (gradient reductions)."""
+    import kernels
+    from megatron_rz.learner.parallel_check import fixed_batch, run_check
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
+
+    assert kernels.ROW_PARALLEL_K_SEGMENTS % 4 == 0
+    path, sets = RECIPES["qwen3_moe"], ["model.num_kv_heads=4"]
+    d = tmp_path / "moe_kv4"
+    recipe = load_recipe(str(path), sets)
+    make_random_checkpoint(recipe, d, seed=0)
+    t0 = time.perf_counter()
+    base = run_check(str(d), 1, 1, sets, world_size=1, steps=1, mode="aligned", recipe_path=str(path))
+    t1 = time.perf_counter()
+    got = _torchrun(path, d, 4, 1, tmp_path / "out.pt", nproc=4, sets=sets)
+    t2 = time.perf_counter()
+    ids, _, _ = fixed_batch(recipe.model.vocab_size)
+    ref = reference(str(d), None, ids, 1.0)
+    gn = abs(got["metrics"][0]["grad_norm"] - base["metrics"][0]["grad_norm"]) / base["metrics"][0]["grad_norm"]
+    wd = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
+    print(f"\n[qwen3_moe tp=4] logprobs vs TP=1: {_bitwise(got['logprobs_before'], base['logprobs_before'])}; "
+          f"vs reference: {_bitwise(got['logprobs_before'], ref)}; grad-norm rel diff {gn:.1e}; max|dweight| {wd:.1e}; "
+          f"TP=1 {t1 - t0:.0f} s, TP=4 torchrun {t2 - t1:.0f} s")
+    assert got["layout"]["tp"] == 4
+    assert torch.equal(base["logprobs_before"], ref)
+    assert torch.equal(got["logprobs_before"], base["logprobs_before"])
     assert gn < 1e-5 and wd < 1e-5

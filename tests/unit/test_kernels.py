@@ -481,7 +481,7 @@ def test_router_weights_differentiable():
 
 # ------------------------------------------------------------------------------------------- moe
 
-E_, H_, I_, KTOP = 6, 24, 20, 2
+E_, H_, I_, KTOP = 6, 24, 24, 2  # I_: a multiple of ROW_PARALLEL_K_SEGMENTS (the down_proj contract)
 
 
 def _moe_weights(g, dtype):
@@ -600,7 +600,7 @@ def _tiny_forward(Wt, ids, positions, attend):
     v = linear(x, Wt["wv"]).view(-1, Hkv, D)
     cos, sin = rope_cos_sin(positions, D)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    h = h + linear(attend(q, k, v).reshape(-1, Hq * D), Wt["wo"], k_segments=2)
+    h = h + linear(attend(q, k, v).reshape(-1, Hq * D), Wt["wo"], k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
     x = rms_norm(h, Wt["n2"], 1e-6)
     ids_e, w_e = route(router_logits(x, Wt["wr"]), 2, score="softmax", norm_topk_prob=True)
     h = h + moe_experts(x, Wt["wg"], Wt["wu"], Wt["wd"], ids_e, w_e, [Wt["sh"]])

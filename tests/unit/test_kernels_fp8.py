@@ -90,7 +90,8 @@ def test_dispatch_on_cpu_is_the_reference():
     x = torch.randn(6, 64, generator=g).bfloat16()
     w = torch.randn(32, 64, generator=g).bfloat16()
     assert kernels.linear.__module__ == "kernels.dispatch"
-    assert torch.equal(kernels.linear(x, w, k_segments=2), gemm.linear(x, w, k_segments=2))
+    for segs in (2, kernels.ROW_PARALLEL_K_SEGMENTS):  # a generic count and the row-parallel contract's
+        assert torch.equal(kernels.linear(x, w, k_segments=segs), gemm.linear(x, w, k_segments=segs))
     assert torch.equal(kernels.rms_norm(x, None, 1e-6), norm.rms_norm(x, None, 1e-6))
     lg = torch.randn(6, 16, generator=g)
     a, b = kernels.route(lg, 3, norm_topk_prob=True), router.route(lg, 3, norm_topk_prob=True)
