@@ -312,8 +312,9 @@ class RolloutProcess(_OutOfProcess):
             "runs the synchronous trainer without a rollout process)."
         )
 
-    def get(self, kind: str, what: str, timeout_s: float | None = None):
-        """Next message, which must be of ``kind``; raises on error, death or timeout."""
+    def get(self, kind: str, what: str, timeout_s: float | None = None, skip: tuple[str, ...] = ()):
+        """Next message, which must be of ``kind`` (messages of a kind in ``skip`` are dropped);
+        raises on error, death or timeout."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
             try:
@@ -332,6 +333,8 @@ class RolloutProcess(_OutOfProcess):
                     continue
             if msg[0] == "error":
                 raise RolloutProcessError(f"the rollout process failed while the learner waited for {what}:\n{msg[1]}")
+            if msg[0] in skip:
+                continue
             if msg[0] != kind:
                 raise RolloutProcessError(f"rollout protocol error: expected {kind!r} ({what}), got {msg[0]!r}")
             return msg
@@ -348,9 +351,11 @@ class RolloutProcess(_OutOfProcess):
         self.control_q.put(("weights", int(version), list(paths)))
 
     def finish(self) -> float | None:
-        """Normal end: stop the producer, get the final evaluation, wait for the process to exit."""
+        """Normal end: stop the producer, get the final evaluation, wait for the process to exit.
+        A run that ends early (schedule.time_limit_s) leaves batches generated ahead of the learner
+        (up to max_lag of them) in the queue: they are dropped (a resumed run generates its own)."""
         self.control_q.put(("stop", True))
-        value = self.get("eval", "the final evaluation")[2]
+        value = self.get("eval", "the final evaluation", skip=("batch",))[2]
         self.get("done", "the rollout process to finish")
         self.close()
         return value

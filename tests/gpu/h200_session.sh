@@ -39,7 +39,8 @@ run_stage() {
       done ;;
     tests)
       timeout 540 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_aligned_cuda_engine.py \
-        tests/gpu/test_stock_reload.py tests/gpu/test_triton_kernels.py} 2>&1 | tail -25 | tee "$d/pytest.txt" ;;
+        tests/gpu/test_stock_reload.py tests/gpu/test_triton_kernels.py} > "$d/pytest_full.txt" 2>&1
+      grep -E "^E  |^FAILED|^ERROR|passed|failed" "$d/pytest_full.txt" | tail -40 | tee "$d/pytest.txt" ;;
     segments)
       "$PY" benchmarks/gpu_kernels.py --groups segments --out "$d/segments.json" 2>&1 | tail -120 ;;
     check|fast)
