@@ -325,3 +325,72 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
     info["base_hash"] = base_model_hash(recipe, seed)  # what made it: reused only by recipes of this hash
     (Path(out_dir) / "warm_start.json").write_text(json.dumps(info, indent=2))
     return info
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V4.1 (no transformers class: config.json keys as DeepSeek ships them, weights drawn from
+# kernels.models.dsv41.parameter_shapes under the original names)
+# --------------------------------------------------------------------------------------------------
+
+TINY_DSV41 = dict(
+    vocab_size=96, hidden_size=64, num_hidden_layers=4, compress_ratios=[0, 0, 0, 0], num_hash_layers=2,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
+    o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+    scoring_func="sqrtsoftplus", topk_method="noaux_tc", hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    sliding_window=16, index_n_heads=16, index_head_dim=16, index_topk=3, max_position_embeddings=512,
+    rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0, routed_scaling_factor=1.5,
+    swiglu_limit=10.0, tie_word_embeddings=False, num_nextn_predict_layers=0,
+    # V4.1: engram on layers 1 and 3 (2- and 3-grams, 2 heads each), no compressed layers
+    engram_layer_ids=[1, 3], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=16,
+    engram_vocab_size=64, kv_source_layer_ids=[], index_source_layer_ids=[],
+)
+
+
+def deepseek_v41_config_dict(tokenizer, **overrides) -> dict:
+    """config.json of a tiny DeepSeek-V4.1 (``TINY_DSV41`` + overrides). The engram's compressed vocab
+    size and pad id come from ``tokenizer``; the table sizes are the rows the hash buckets need."""
+    from kernels.models import dsv41
+
+    cfg = dict(TINY_DSV41, **overrides)
+    _, cvocab = dsv41.compressed_token_map(tokenizer)
+    cfg.update(engram_compressed_vocab_size=cvocab, pad_token_id=tokenizer.pad_token_id,
+               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+               engram_pad_token_id=tokenizer.pad_token_id, architectures=["DeepseekV41ForCausalLM"],
+               model_type="deepseek_v4")
+    primes = dsv41.engram_primes(len(cfg["engram_layer_ids"]), cfg["engram_max_ngram_size"], cfg["engram_n_heads"],
+                                 cfg["engram_vocab_size"])
+    cfg["engram_num_embeddings"] = [sum(sum(p) for p in per) for per in primes]
+    return cfg
+
+
+def random_dsv41_state_dict(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random original-named fp32 weights for a V4.1 config (hash tables: distinct experts per token)."""
+    from kernels.models import dsv41
+
+    c = dsv41.v41_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, (shape, kind) in dsv41.parameter_shapes(c).items():
+        if kind == "int64":
+            sd[name] = random_hash_table(c.vocab_size, c.top_k, c.num_experts, g)
+        elif name.endswith(("norm.weight", "q_weight", "k_weight")):
+            sd[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            sd[name] = torch.randn(shape, generator=g) * (0.3 if len(shape) < 2 else 0.15)
+    return sd
+
+
+def make_tiny_dsv41_checkpoint(out_dir: Path, seed: int = 0, task_cfg=None, **overrides) -> dict:
+    """Tokenizer (trained on the task) + config.json + random model.safetensors; returns the config."""
+    from safetensors.torch import save_file
+
+    from megatron_rz.recipe import TaskConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = overrides.get("vocab_size", TINY_DSV41["vocab_size"])
+    tok = train_tokenizer(make_task(task_cfg or TaskConfig()), vocab, out_dir, seed)
+    cfg = deepseek_v41_config_dict(tok, **overrides)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(random_dsv41_state_dict(cfg, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return cfg
