@@ -68,31 +68,6 @@ def test_train_tiny_moe_fast_mode_shows_mismatch(tmp_path):
     _check_run(run_dir, _rz_train(run_dir, "mode=fast"), aligned=False)
 
 
-def test_time_limit_finishes_at_an_update_boundary_then_resume_continues(tmp_path):
-    """schedule.time_limit_s: the run ends after the update that crossed it, as a finished run does
-    (final checkpoint, evaluation, summary, hf_final, plots); checkpoint.load=latest continues it.
-    Asynchronous (max_lag=1, the rollout process): batches generated ahead of the stop are dropped
-    before the final evaluation (on the H200 they once met it as a protocol error)."""
-    run_dir = tmp_path / "run_tl"
-    out = _rz_train(run_dir, "schedule.time_limit_s=0.000001", "schedule.max_lag=1")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    assert "schedule.time_limit_s=1e-06 reached after update 1 of 3" in out.stdout
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["steps"], summary["end_step"], summary["stopped_by"]) == (1, 1, "schedule.time_limit_s")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "max_abs_dlogp" in r] == [1]
-    assert rows[-1]["step"] == 1 and "eval_reward" in rows[-1] and summary["eval_reward_after"] == rows[-1]["eval_reward"]
-    assert (run_dir / "checkpoints" / "step_000001").is_dir() and (run_dir / "hf_final" / "model.safetensors").is_file()
-    assert (run_dir / "plots" / "reward.png").stat().st_size > 1000
-    out = _rz_train(run_dir, "checkpoint.load=latest", "schedule.max_lag=1")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["steps"], summary["end_step"], summary["stopped_by"]) == (2, 3, None)
-    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["lag_max"] <= 1 for r in rows)
-    assert all(r["lag0_pure_frac_bitwise"] == 1.0 for r in rows if r.get("lag0_pure_tokens")), rows
-
-
 def test_train_tiny_moe_tp2_ep2_through_torchrun(tmp_path):
     run_dir = tmp_path / "run_tp2"
     out = _rz_train(run_dir, "parallel.tp=2", "parallel.ep=2")
@@ -100,20 +75,36 @@ def test_train_tiny_moe_tp2_ep2_through_torchrun(tmp_path):
     _check_run(run_dir, out)
 
 
-def test_train_async_dp2_ep2_distributed_optimizer_through_torchrun(tmp_path):
-    """The asynchronous trainer with two learner ranks (dp=2, ep=2, distributed optimizer): the
-    batch is broadcast from rank 0, weights come back through the collective export (only rank 0
-    keeps them), lag <= 1, lag-0 tokens bitwise, final checkpoint and hf_final written."""
-    run_dir = tmp_path / "run_async_dp2"
-    out = _rz_train(run_dir, "parallel.dp=2", "parallel.ep=2", "parallel.distributed_optimizer=true",
-                    "schedule.max_lag=1")
+def test_async_dp2_time_limit_then_resume_through_torchrun(tmp_path):
+    """The asynchronous trainer (max_lag=1, the rollout process) with two learner ranks (dp=2,
+    ep=2, distributed optimizer) under schedule.time_limit_s: the run ends after the update that
+    crossed it as a finished run does (final checkpoint with rank 1's shards, evaluation, summary,
+    hf_final, plots), batches generated ahead of the stop are dropped before the final evaluation
+    (on the H200 they once met it as a protocol error); checkpoint.load=latest continues it to the
+    end: batch broadcast from rank 0, weights through the collective export, lag <= 1, lag-0
+    tokens bitwise."""
+    run_dir = tmp_path / "run_tl"
+    par = ("parallel.dp=2", "parallel.ep=2", "parallel.distributed_optimizer=true", "schedule.max_lag=1")
+    out = _rz_train(run_dir, "schedule.time_limit_s=0.000001", *par)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert "launching 2 learner ranks" in out.stdout
+    assert "schedule.time_limit_s=1e-06 reached after update 1 of 3" in out.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["end_step"], summary["stopped_by"]) == (1, 1, "schedule.time_limit_s")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "max_abs_dlogp" in r] == [1]
+    assert rows[-1]["step"] == 1 and "eval_reward" in rows[-1] and summary["eval_reward_after"] == rows[-1]["eval_reward"]
+    assert (run_dir / "checkpoints" / "step_000001" / "__1_0.distcp").is_file()  # rank 1 wrote its shards
+    assert (run_dir / "hf_final" / "model.safetensors").is_file()
+    assert (run_dir / "plots" / "reward.png").stat().st_size > 1000
+    out = _rz_train(run_dir, "checkpoint.load=latest", *par)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["end_step"], summary["stopped_by"]) == (2, 3, None)
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lag_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["lag_max"] <= 1 for r in rows)
     assert all(r["lag0_pure_frac_bitwise"] == 1.0 for r in rows if r.get("lag0_pure_tokens")), rows
-    assert (run_dir / "checkpoints" / "step_000003" / "__1_0.distcp").is_file()  # rank 1 wrote its shards
-    assert (run_dir / "hf_final" / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "step_000003" / "__1_0.distcp").is_file()
 
 
 def test_train_rejects_bad_recipe_before_starting_engines(tmp_path):
