@@ -116,16 +116,29 @@ def weights_hash(model_dir: str | Path) -> str:
 def main(argv: list[str]) -> int:
     """``python -m megatron_rz.learner.pretrained DIR...`` prints each checkpoint's weights hash;
     ``--recipe RECIPE [overrides...]``: those of the base model(s) in the recipe's run dir."""
-    if argv[:1] == ["--recipe"]:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_rz.learner.pretrained",
+                                 description="print the weights hash (sha256) of Hugging Face checkpoints")
+    ap.add_argument("dirs", nargs="*", help="checkpoint directories")
+    ap.add_argument("--recipe", nargs=argparse.REMAINDER, metavar="RECIPE [key=value ...]",
+                    help="hash the base model(s) in this recipe's run directory instead")
+    args = ap.parse_args(argv)
+    if args.recipe:
         from megatron_rz.recipe import load_recipe
 
-        run_dir = load_recipe(argv[1], argv[2:]).run_dir
+        run_dir = load_recipe(args.recipe[0], args.recipe[1:]).run_dir
         dirs = sorted(p for p in run_dir.glob("base_model*") if p.is_dir() and not p.name.startswith("."))
         if not dirs:
             print(f"no base model in {run_dir}")
             return 1
     else:
-        dirs = [Path(d) for d in argv]
+        dirs = [Path(d) for d in args.dirs]
+        if not dirs:
+            ap.error("name one or more checkpoint directories, or --recipe RECIPE")
+        missing = [str(d) for d in dirs if not d.is_dir()]
+        if missing:
+            ap.error(f"not a directory: {', '.join(missing)}")
     for d in dirs:
         print(f"base model weights sha256 {weights_hash(d)}  {d}")
     return 0
