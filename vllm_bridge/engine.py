@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -39,6 +40,8 @@ import torch
 from vllm_bridge.samples import Sample
 from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, WeightSyncError, check_weights, iter_buckets, readable,
                                    stage_and_commit, to_safetensors)
+
+logger = logging.getLogger("vllm_bridge.engine")
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
 __all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES"]
@@ -102,6 +105,25 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def cpu_threads_bind(workers: int) -> str | None:
+    """A VLLM_CPU_OMP_THREADS_BIND value for ``workers`` vLLM-CPU workers on this process's allowed
+    CPUs (os.sched_getaffinity), or None when one is set already (non-empty) or workers <= 1.
+
+    vLLM-CPU's default ("auto") binds worker r to the r-th NUMA node and refuses more workers than
+    allowed NUMA nodes ("Not enough allowed NUMA nodes to bind threads of 4 local CPUWorkers").
+    Here each worker gets a contiguous share of the allowed CPUs ("0-1|2-3" written as id lists),
+    cycling over them one CPU per worker when there are fewer CPUs than workers ("0|1|0|1")."""
+    if workers <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus)
+    if n >= workers:
+        shares = [cpus[i * n // workers:(i + 1) * n // workers] for i in range(workers)]
+    else:
+        shares = [[cpus[i % n]] for i in range(workers)]
+    return "|".join(",".join(map(str, share)) for share in shares)
 
 
 ALIGNED_CLASSES = {
@@ -323,6 +345,19 @@ class RolloutEngine:
         self.engine_kwargs = kwargs
         if before_start is not None:  # a multi-node engine publishes these to its other nodes
             before_start(dict(kwargs), dict(env))
+        # vLLM-CPU, several workers in this (single-node, offline) engine and no thread binding set:
+        # vLLM's "auto" wants one NUMA node per worker; bind each worker to a share of this process's
+        # CPUs instead. Not published through before_start: a `vllm serve` spanning nodes has fewer
+        # local workers per node than tensor_parallel_size (each node sets its own binding).
+        workers = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+        if workers > 1:
+            from vllm.platforms import current_platform
+
+            bind = cpu_threads_bind(workers) if current_platform.is_cpu() else None
+            if bind is not None:  # set while the engine spawns its workers, then restored (_env)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                logger.warning("vLLM-CPU with %d workers and no VLLM_CPU_OMP_THREADS_BIND: binding them to this "
+                               "process's allowed CPUs, VLLM_CPU_OMP_THREADS_BIND=%s", workers, bind)
 
         from vllm import LLM
 

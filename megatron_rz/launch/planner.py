@@ -24,16 +24,28 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                    shared * 3 * moe_ffn)
     logits     T * vocab / tp * 4 * 2   (fp32 logits and their gradient for the logprob loss)
     + plan.overhead_gb (CUDA context, NCCL buffers, fragmentation)
-  rollout, one engine over rollout.tensor_parallel_size GPUs (mode=fast, and the aligned Qwen3-MoE
-  class without FP8 at tp <= 2, which keeps embeddings and lm_head whole; the other aligned classes
-  are not sharded: engine_tp counts as 1 below):
-    weights    total params * b / engine_tp
+  rollout, one engine over rollout.tensor_parallel_size GPUs (engine_tp):
+    weights    mode=fast (stock vLLM, everything sharded): total params * b / engine_tp
+               mode=aligned, TP-sharded classes (Qwen3-MoE / Qwen3 dense and DeepSeek-V3 without
+               blockwise FP8; vllm_bridge/aligned/_model.py): (replicated + sharded / engine_tp) * b,
+               sharded = q/k/v/o (Qwen3) or q_b_proj (q_proj) / kv_b_proj / o_proj (DeepSeek-V3 MLA),
+               dense MLPs and routed experts; replicated = embeddings, lm_head, norms, router, shared
+               experts and DeepSeek-V3's latent projections q_a_proj / kv_a_proj_with_mqa;
+               mode=aligned otherwise (Qwen2, DeepSeek-V4, model.fp8=blockwise): the whole model on
+               every TP worker (engine_tp counts as 1)
     KV cache   rollout.kv_cache_gb (vLLM kv_cache_memory_bytes, per GPU); it must hold one
-               sequence of seq_len tokens: per token 2 * kv_heads_per_gpu * head_dim * b * layers
-               (GQA), (kv_lora_rank + rope) * b * layers (MLA, replicated on each TP rank), or for
-               V4 the compressed entries in fp8 (head_dim + index_head_dim) / 4 per CSA layer and
-               head_dim / 128 per HCA layer, plus the sliding window per sequence
+               sequence of seq_len tokens, per token and GPU:
+                 GQA   2 * ceil(kv_heads / engine_tp) * head_dim * b * layers (engine_tp 1 if replicated)
+                 MLA   fast: (kv_lora_rank + rope) * b * layers (vLLM's latent cache, on each TP rank);
+                       aligned: the expanded per-head cache, V zero-padded to the K head size,
+                       2 * (heads / engine_tp) * (qk_nope + qk_rope) * b * layers
+                 V4    the compressed entries in fp8: (head_dim + index_head_dim) / 4 per CSA layer
+                       and head_dim / 128 per HCA layer, plus the sliding window per sequence
     + plan.overhead_gb
+  An aligned TP-sharded engine needs rollout.tensor_parallel_size dividing
+  kernels.ROW_PARALLEL_K_SEGMENTS (8) and every split count divisible by it (attention heads, Qwen3's
+  KV heads, routed experts, dense intermediate size; the row-parallel K of o_proj / down_proj by 8),
+  the checks of the class's ``_tp_config``: rollout_tp_errors() names the key and the fix.
 CPU-only components (gpus_per_node: 0) are planned and printed, not checked against a budget.
 """
 
@@ -181,13 +193,17 @@ def _act_elements_per_token(m: ModelConfig, moe_layer: bool) -> float:
     return a
 
 
-def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int) -> tuple[float, float]:
-    """Rollout KV bytes per GPU: (per token, fixed per sequence)."""
+def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int, aligned: bool = False) -> tuple[float, float]:
+    """Rollout KV bytes per GPU: (per token, fixed per sequence). engine_tp: the TP size the cache is
+    split over (1 for a replicated aligned class); aligned: the cache as the aligned classes store it."""
     b = _bytes(m.dtype)
     if m.arch in ("qwen3_moe", "qwen2"):
         heads = math.ceil(m.num_kv_heads / engine_tp)  # replicated when tp > kv heads
         return 2 * heads * m.head_dim * b * m.num_layers, 0.0
     if m.arch == "deepseek_v3":
+        if aligned:  # expanded MLA: per local query head K and V of qk_nope + qk_rope (V zero-padded)
+            heads = math.ceil(m.num_attention_heads / engine_tp)
+            return 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * b * m.num_layers, 0.0
         return (m.kv_lora_rank + m.qk_rope_head_dim) * b * m.num_layers, 0.0
     per_tok = 0.0
     for r in m.compress_ratios:  # fp8 entries (vLLM keeps DeepSeek-V4's cache in fp8)
@@ -196,6 +212,98 @@ def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int) -> tuple[float, float]
         elif r == 128:
             per_tok += m.head_dim / 128
     return per_tok, float(m.num_layers * m.sliding_window * m.head_dim)
+
+
+def aligned_tp_sharded(recipe: Recipe) -> bool:
+    """Whether the rollout's aligned vLLM class shards over tensor parallelism (``TP_SHARDED`` and no
+    blockwise FP8: vllm_bridge/aligned/qwen3_moe.py, deepseek_v3.py); False in mode=fast."""
+    m = recipe.model
+    return recipe.mode == "aligned" and m.arch in ("qwen3_moe", "deepseek_v3") and m.fp8 == "none"
+
+
+def _has_dense_layers(m: ModelConfig) -> bool:
+    return m.num_experts == 0 or m.first_k_dense > 0
+
+
+def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
+    """(recipe key, what fails) of the aligned TP-sharded class at tensor-parallel size tp, as its
+    ``_tp_config`` checks them (vllm_bridge/aligned/_model.py)."""
+    from kernels import ROW_PARALLEL_K_SEGMENTS as seg
+
+    if tp == 1:
+        return []
+    out = []
+    if seg % tp:
+        out.append(("rollout.tensor_parallel_size", f"rollout.tensor_parallel_size={tp} does not divide the "
+                    f"{seg} row-parallel K segments (kernels.ROW_PARALLEL_K_SEGMENTS)"))
+    counts = {"model.num_attention_heads": m.num_attention_heads}
+    if m.arch != "deepseek_v3":  # MLA expands K/V per query head: only the query heads are split
+        counts["model.num_kv_heads"] = m.num_kv_heads
+    if m.num_experts:
+        counts["model.num_experts"] = m.num_experts
+    if _has_dense_layers(m):
+        counts["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    for key, n in counts.items():
+        if n % tp:
+            out.append((key, f"{key}={n} is not divisible by rollout.tensor_parallel_size={tp}"))
+    vdim = m.v_head_dim if m.arch == "deepseek_v3" else m.head_dim
+    ks = {f"model.num_attention_heads * {'v_head_dim' if m.arch == 'deepseek_v3' else 'head_dim'}":
+          m.num_attention_heads * vdim}
+    if _has_dense_layers(m):
+        ks["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    for key, k in ks.items():
+        if k % seg:
+            out.append((key, f"{key}={k} (a row-parallel K) is not divisible by the {seg} row-parallel K segments"))
+    return out
+
+
+def rollout_tp_errors(recipe: Recipe) -> list[str]:
+    """[] when the rollout's aligned vLLM class can run at rollout.tensor_parallel_size (or is not
+    TP-sharded, or mode=fast); else one line naming every key that fails (what the class's workers
+    would refuse after the warm start) and the fix: the tensor-parallel sizes that work."""
+    tp = recipe.rollout.tensor_parallel_size
+    if not aligned_tp_sharded(recipe) or tp == 1:
+        return []
+    from kernels import ROW_PARALLEL_K_SEGMENTS as seg
+
+    m = recipe.model
+    problems = _sharded_tp_problems(m, tp)
+    if not problems:
+        return []
+    ok = [t for t in range(1, seg + 1) if seg % t == 0 and not _sharded_tp_problems(m, t)]
+    fix = (f"use rollout.tensor_parallel_size={'/'.join(map(str, ok))}" + (" (with rollout.num_engines and "
+           "cluster.rollout to match)" if recipe.cluster.rollout.gpus_per_node else "") + ", or mode=fast")
+    return ["; ".join(what for _, what in problems)
+            + f": the aligned {m.arch} vLLM class shards only at a tensor-parallel size dividing {seg} that also "
+            f"divides its heads / experts / dense size (bitwise equal to the learner); {fix}"]
+
+
+def check_rollout_tp(recipe: Recipe) -> None:
+    """Raise PlanError (one line) when rollout_tp_errors finds a problem: the check to run before
+    anything starts (the warm start, the vLLM workers)."""
+    errors = rollout_tp_errors(recipe)
+    if errors:
+        raise PlanError(f"{recipe.name!r}: " + "; ".join(errors))
+
+
+def rollout_sharded_params(m: ModelConfig) -> int:
+    """Parameters an aligned TP-sharded engine splits over its workers (the rest is replicated):
+    Qwen3 q/k/v/o_proj; DeepSeek-V3 q_b_proj (q_proj) / kv_b_proj / o_proj; dense MLPs, routed experts."""
+    h, n = m.hidden_size, m.num_attention_heads
+    if m.arch == "qwen3_moe":
+        attn = h * n * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim + n * m.head_dim * h
+    else:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = ((h if m.q_lora_rank is None else m.q_lora_rank) * n * qk
+                + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim) + n * m.v_head_dim * h)
+    s = 0
+    for i in range(m.num_layers):
+        s += attn
+        if m.num_experts == 0 or i < m.first_k_dense:
+            s += 3 * h * m.dense_ffn_hidden_size
+        else:
+            s += m.num_experts * 3 * h * m.moe_ffn_hidden_size
+    return s
 
 
 def make_plan(recipe: Recipe) -> Plan:
@@ -295,34 +403,29 @@ def make_plan(recipe: Recipe) -> Plan:
             )
 
     # ---- rollout memory per GPU
-    # Tensor parallelism of the rollout engine. Stock vLLM (fast) shards everything. Of the aligned
-    # classes (vllm_bridge.aligned), Qwen3-MoE without FP8 shards attention heads (and the KV cache),
-    # experts and dense MLPs, keeping embeddings/lm_head whole, at tp dividing the learner's fixed
-    # row-parallel K segments; the DeepSeek and FP8 ones hold the whole model on every worker.
-    replicated = 0.0
+    # Stock vLLM (fast) shards everything over the engine's TP workers. The aligned classes
+    # (vllm_bridge.aligned) with TP_SHARDED (Qwen3-MoE, DeepSeek-V3; not with blockwise FP8) shard
+    # attention heads (and the KV cache), dense MLPs and routed experts, and replicate embeddings,
+    # lm_head, norms, router, shared experts and MLA's latent projections; the others (Qwen2,
+    # DeepSeek-V4, FP8) hold the whole model on every worker.
+    sharded_aligned = aligned_tp_sharded(recipe)
     if recipe.mode == "fast":
-        shard = etp
-    elif m.arch == "qwen3_moe" and m.fp8 == "none":
-        from kernels import ROW_PARALLEL_K_SEGMENTS as segments
-
-        if etp > 1 and segments % etp:
-            errors.append(f"rollout.tensor_parallel_size={etp}: the aligned Qwen3-MoE vLLM class shards only at a "
-                          f"tensor-parallel size dividing {segments} (the row-parallel K segments that keep it "
-                          f"bitwise equal to the learner): use one of "
-                          f"{[t for t in range(1, segments + 1) if segments % t == 0]}, or mode=fast")
-        shard = etp
-        replicated = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        shard, split = etp, params.total
+    elif sharded_aligned:
+        errors.extend(rollout_tp_errors(recipe))
+        shard, split = etp, rollout_sharded_params(m)
     else:
-        shard = 1
+        shard, split = 1, 0
         if etp > 1:
+            why = "blockwise FP8" if m.fp8 != "none" else m.arch
             notes.append(f"mode=aligned: the aligned {m.arch}{' FP8' if m.fp8 != 'none' else ''} vLLM class keeps "
-                         f"the whole model and KV cache on each of the {etp} tensor-parallel workers (not sharded "
-                         "yet), so rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
-    per_tok, per_seq = _kv_per_token_and_seq(m, shard)
+                         f"the whole model and KV cache on each of the {etp} tensor-parallel workers ({why} is not "
+                         "sharded yet), so rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
+    per_tok, per_seq = _kv_per_token_and_seq(m, shard, aligned=recipe.mode == "aligned")
     seq_bytes = seq * per_tok + per_seq
     kv = r.kv_cache_gb * GiB
     seqs_fit = kv / seq_bytes if seq_bytes else float("inf")
-    rollout_mem = {"weights": ((params.total - replicated) / shard + replicated) * b / GiB, "kv_cache": r.kv_cache_gb}
+    rollout_mem = {"weights": ((params.total - split) + split / shard) * b / GiB, "kv_cache": r.kv_cache_gb}
     wanted = min(r.max_num_seqs, math.ceil(r.prompts_per_step * r.samples_per_prompt / max(1, r.num_engines)))
     if seqs_fit < 1:
         errors.append(
@@ -340,10 +443,7 @@ def make_plan(recipe: Recipe) -> Plan:
                 f"rollout engine needs {total:.1f} GiB per GPU (weights {rollout_mem['weights']:.1f} over "
                 f"tensor_parallel_size={etp}, KV cache {r.kv_cache_gb:g}, overhead {plan_cfg.overhead_gb:g}) but "
                 f"cluster.rollout.gpu_memory_gb={Lg.gpu_memory_gb:g}: "
-                + ("raise rollout.tensor_parallel_size or lower rollout.kv_cache_gb" if shard > 1 or recipe.mode == "fast"
-                   else f"in mode=aligned every tensor-parallel worker holds the whole {m.arch} model (that aligned "
-                   "vLLM class is not sharded yet): lower rollout.kv_cache_gb, or use mode=fast (stock vLLM "
-                   "classes, sharded)")
+                + _rollout_fit_fix(recipe, shard, sharded_aligned, rollout_mem['weights'])
             )
 
     if errors:
@@ -355,6 +455,26 @@ def make_plan(recipe: Recipe) -> Plan:
         rollout_budget=Lg.gpu_memory_gb if Lg.gpus_per_node else None, rollout_seqs_fit=seqs_fit,
         rollout_seqs_wanted=wanted, notes=notes,
     )
+
+
+def _rollout_fit_fix(recipe: Recipe, shard: int, sharded_aligned: bool, weights_gb: float) -> str:
+    m, etp = recipe.model, recipe.rollout.tensor_parallel_size
+    lower_kv = ("lower rollout.kv_cache_gb" if weights_gb + recipe.cluster.plan.overhead_gb
+                < recipe.cluster.rollout.gpu_memory_gb else "the weights and overhead alone exceed it")
+    if recipe.mode == "fast":
+        return "raise rollout.tensor_parallel_size or lower rollout.kv_cache_gb"
+    if sharded_aligned:
+        from kernels import ROW_PARALLEL_K_SEGMENTS as seg
+
+        more = [t for t in range(etp + 1, seg + 1) if seg % t == 0 and not _sharded_tp_problems(m, t)]
+        if more:
+            return f"raise rollout.tensor_parallel_size (to {'/'.join(map(str, more))}) or lower rollout.kv_cache_gb"
+        return (f"the aligned {m.arch} vLLM class shards over at most {etp} workers here (tensor-parallel sizes "
+                f"dividing the {seg} row-parallel K segments and the model's heads / experts), replicating "
+                f"embeddings, lm_head, norms, router and shared experts: {lower_kv}; use mode=fast (stock vLLM "
+                "classes, sharded over any size) or GPUs with more memory")
+    return (f"in mode=aligned every tensor-parallel worker holds the whole {m.arch} model (that aligned "
+            f"vLLM class is not sharded yet): {lower_kv}; use mode=fast (stock vLLM classes, sharded)")
 
 
 def _b(n: float) -> str:

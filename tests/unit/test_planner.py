@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rz.launch.planner import PlanError, count_params, make_plan
+from megatron_rz.launch.planner import PlanError, count_params, make_plan, rollout_sharded_params
 from megatron_rz.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,9 +113,15 @@ def test_tiny_recipe_on_cpu_nodes_is_planned_not_budgeted():
         ("qwen3_30b_a3b", ["parallel.ep=1"], ["learner needs", "GiB per GPU", "optimizer", "gpu_memory_gb=139"]),
         # DeepSeek-V4 (tp=1: 7.3B non-expert parameters on every GPU) without the distributed optimizer
         ("deepseek_v4_flash", ["parallel.distributed_optimizer=false"], ["learner needs", "GiB per GPU"]),
-        # the aligned Qwen3-MoE class shards only at tp dividing the row-parallel K segments (2)
-        ("qwen3_30b_a3b", ["rollout.tensor_parallel_size=4", "rollout.num_engines=2"],
-         ["shards only at a tensor-parallel size dividing 2", "mode=fast"]),
+        # the aligned Qwen3-MoE class shards only at tp dividing the row-parallel K segments
+        # (kernels.ROW_PARALLEL_K_SEGMENTS = 8) and its 4 KV heads
+        ("qwen3_30b_a3b", ["rollout.tensor_parallel_size=16", "rollout.num_engines=1", "cluster.rollout.nodes=2"],
+         ["rollout.tensor_parallel_size=16 does not divide the 8 row-parallel K segments",
+          "model.num_kv_heads=4 is not divisible by rollout.tensor_parallel_size=16",
+          "shards only at a tensor-parallel size dividing 8", "use rollout.tensor_parallel_size=1/2/4", "mode=fast"]),
+        # the recipe's rollout TP 16 in mode=aligned: beyond what the aligned DeepSeek-V3 class shards over
+        ("deepseek_v3_671b", ["mode=aligned"], ["rollout.tensor_parallel_size=16 does not divide the 8",
+                                                "use rollout.tensor_parallel_size=1/2/4/8"]),
         # aligned mode: the aligned DeepSeek classes are not tensor parallel (whole model per worker)
         ("deepseek_v4_flash", ["mode=aligned"], ["rollout engine needs", "in mode=aligned every tensor-parallel worker",
                                                  "use mode=fast"]),
@@ -166,18 +172,26 @@ def test_bad_cluster_settings_fail_at_load(overrides, fragment):
 
 
 def test_aligned_rollout_sharding_in_the_plan():
-    """Aligned Qwen3-MoE at TP 2 divides the rollout weights (all but embeddings/lm_head) and the KV
-    cache per GPU; an aligned DeepSeek class at TP > 1 does not (whole model per worker, a note)."""
-    one = make_plan(_recipe("qwen3_30b_a3b"))
+    """Aligned Qwen3-MoE at TP 2 divides the rollout weights (all but embeddings/lm_head, norms and
+    router) and the KV cache per GPU; an aligned replicated class (DeepSeek-V4) at TP > 1 does not
+    (whole model per worker, a note)."""
+    r = _recipe("qwen3_30b_a3b")
+    one = make_plan(r)
     two = make_plan(_recipe("qwen3_30b_a3b", "rollout.tensor_parallel_size=2", "rollout.num_engines=4"))
-    emb = 151936 * 2048 * 2 * 2 / 2**30  # untied embeddings + lm_head, bf16
-    assert abs(two.rollout_mem["weights"] - ((one.rollout_mem["weights"] - emb) / 2 + emb)) < 1e-6
+    m = r.model
+    replicated = (151936 * 2048 * 2  # untied embeddings + lm_head
+                  + m.num_layers * (2 * 2048 + 2 * m.head_dim + m.num_experts * 2048)  # norms, q/k norms, router
+                  + 2048)  # final norm
+    sharded = count_params(m).total - replicated
+    assert sharded == rollout_sharded_params(m)
+    assert abs(one.rollout_mem["weights"] - count_params(m).total * 2 / 2**30) < 1e-6
+    assert abs(two.rollout_mem["weights"] - (replicated + sharded / 2) * 2 / 2**30) < 1e-6
     assert two.rollout_seqs_fit > 1.9 * one.rollout_seqs_fit
-    v3 = make_plan(_recipe("deepseek_v3_671b", "mode=aligned", "rollout.kv_cache_gb=40",
-                           "cluster.rollout.gpu_memory_gb=2000", "cluster.learner.gpu_memory_gb=2000"))
-    fast = make_plan(_recipe("deepseek_v3_671b"))
-    assert abs(v3.rollout_mem["weights"] - 16 * fast.rollout_mem["weights"]) < 1e-6
-    assert any("not sharded yet" in n for n in v3.notes)
+    big = ["cluster.rollout.gpu_memory_gb=2000", "cluster.learner.gpu_memory_gb=2000"]
+    v4 = make_plan(_recipe("deepseek_v4_flash", "mode=aligned", *big))
+    fast = make_plan(_recipe("deepseek_v4_flash", *big))
+    assert abs(v4.rollout_mem["weights"] - 8 * fast.rollout_mem["weights"]) < 1e-6
+    assert any("not sharded yet" in n for n in v4.notes)
 
 
 @pytest.mark.parametrize("lag", [2, 8])

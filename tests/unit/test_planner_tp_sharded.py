@@ -1,0 +1,101 @@
+"""Layout planner and the tensor-parallel aligned vLLM classes (Qwen3-MoE, DeepSeek-V3; issue 18):
+per-GPU weights and KV cache as the sharded classes hold them, and the refusals of a rollout
+tensor-parallel size those classes' ``_tp_config`` would reject, at planning time in one line."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rz.launch.planner import PlanError, check_rollout_tp, count_params, make_plan, rollout_sharded_params
+from megatron_rz.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 2**30
+BIG = ["cluster.rollout.gpu_memory_gb=2000", "cluster.learner.gpu_memory_gb=2000"]
+
+
+def _recipe(name, *overrides):
+    return load_recipe(ROOT / "recipes" / f"{name}.yaml", list(overrides))
+
+
+def test_aligned_deepseek_v3_at_tp8_holds_an_eighth_of_the_sharded_parts():
+    r = _recipe("deepseek_v3_671b", "mode=aligned", "rollout.tensor_parallel_size=8", "rollout.num_engines=4", *BIG)
+    m, plan = r.model, make_plan(r)
+    c = count_params(m)
+    h = m.hidden_size
+    # replicated on every worker: embeddings, lm_head, final norm, router, shared experts, and per
+    # layer the MLA latent projections q_a_proj / kv_a_proj_with_mqa, their norms and the layer norms
+    replicated = (c.embedding + c.output + c.final_norm + c.router + c.shared_experts
+                  + m.num_layers * (h * m.q_lora_rank + m.q_lora_rank + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+                                    + m.kv_lora_rank + 2 * h))
+    assert c.total - replicated == rollout_sharded_params(m)
+    weights = plan.rollout_mem["weights"]
+    assert abs(weights - (replicated + (c.total - replicated) / 8) * 2 / GiB) < 1e-6
+    full = c.total * 2 / GiB
+    assert full / 8 < weights < 1.07 * full / 8  # ~1/8: the replicated parts are < 1% of 671B
+    assert 164 < weights < 166  # 165.1 GiB: more than an H200 (139 GiB) holds
+    # expanded MLA cache, split by heads: K and V of 128/8 heads x (128 + 64) values, bf16, 61 layers
+    per_token = 2 * (128 // 8) * (128 + 64) * 2 * 61
+    assert abs(plan.rollout_seqs_fit - 40 * GiB / (16384 * per_token)) < 1e-6
+    assert not any("not sharded yet" in n for n in plan.notes)
+
+
+def test_aligned_deepseek_v3_at_tp8_does_not_fit_an_h200():
+    r = _recipe("deepseek_v3_671b", "mode=aligned", "rollout.tensor_parallel_size=8", "rollout.num_engines=4")
+    with pytest.raises(PlanError) as e:
+        make_plan(r)
+    msg = str(e.value)
+    assert "rollout engine needs 211.1 GiB per GPU (weights 165.1 over tensor_parallel_size=8" in msg, msg
+    assert "the weights and overhead alone exceed it" in msg and "mode=fast" in msg, msg
+
+
+def test_fp8_aligned_stays_replicated():
+    r = _recipe("qwen3_30b_a3b", "model.fp8=blockwise", "parallel.tp=1", "parallel.dp=8",
+                "rollout.tensor_parallel_size=2", "rollout.num_engines=4", *BIG)
+    plan = make_plan(r)
+    assert abs(plan.rollout_mem["weights"] - count_params(r.model).total * 2 / GiB) < 1e-6
+    assert any("blockwise FP8 is not sharded yet" in n for n in plan.notes)
+    check_rollout_tp(_recipe("tiny_moe", "model.fp8=blockwise", "rollout.tensor_parallel_size=4"))  # replicated: no split
+
+
+def test_qwen3_kv_heads_refused_at_planning_time_in_one_line():
+    """tiny_moe (2 KV heads) at rollout TP 4: refused by the planner, not by the vLLM workers after
+    the warm start."""
+    r = _recipe("tiny_moe", "rollout.tensor_parallel_size=4")
+    with pytest.raises(PlanError) as e:
+        check_rollout_tp(r)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "model.num_kv_heads=2 is not divisible by rollout.tensor_parallel_size=4" in msg, msg
+    assert "use rollout.tensor_parallel_size=1/2, or mode=fast" in msg, msg
+    with pytest.raises(PlanError) as e:
+        make_plan(r)
+    assert "model.num_kv_heads=2 is not divisible by rollout.tensor_parallel_size=4" in str(e.value)
+    check_rollout_tp(_recipe("tiny_moe", "rollout.tensor_parallel_size=4", "model.num_kv_heads=4"))
+    check_rollout_tp(_recipe("tiny_moe", "mode=fast", "rollout.tensor_parallel_size=4"))  # stock vLLM replicates
+
+
+@pytest.mark.parametrize(
+    "name, overrides, fragment",
+    [
+        ("tiny_moe", ["rollout.tensor_parallel_size=3", "model.num_attention_heads=6", "model.num_kv_heads=3"],
+         "rollout.tensor_parallel_size=3 does not divide the 8 row-parallel K segments"),
+        ("qwen3_30b_a3b", ["rollout.tensor_parallel_size=4", "rollout.num_engines=2", "model.num_experts=10",
+                           "parallel.ep=2"], "model.num_experts=10 is not divisible by rollout.tensor_parallel_size=4"),
+        ("deepseek_v3_671b", ["mode=aligned", "rollout.tensor_parallel_size=8", "rollout.num_engines=4",
+                              "model.num_attention_heads=36", "model.num_kv_heads=36", "parallel.tp=4",
+                              "parallel.dp=32", *BIG],
+         "model.num_attention_heads=36 is not divisible by rollout.tensor_parallel_size=8"),
+        ("deepseek_v3_671b", ["mode=aligned", "rollout.tensor_parallel_size=8", "rollout.num_engines=4",
+                              "model.dense_ffn_hidden_size=18436", *BIG],
+         "model.dense_ffn_hidden_size=18436 is not divisible by rollout.tensor_parallel_size=8"),
+    ],
+)
+def test_sharded_tp_refusals_name_the_key(name, overrides, fragment):
+    r = _recipe(name, *overrides)
+    with pytest.raises(PlanError) as e:
+        check_rollout_tp(r)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(PlanError) as e:
+        make_plan(r)
+    assert fragment in str(e.value), str(e.value)
