@@ -107,6 +107,9 @@ def _load(args):
 
     recipe = load_recipe(args.recipe, args.overrides)
     apply_runtime(recipe)
+    from megatron_rz.launch.planner import check_rollout_tp
+
+    check_rollout_tp(recipe)  # a rollout TP the aligned class cannot shard: refused here, not by vLLM's workers
     if recipe.warm_start.device == "cuda" and not recipe.model.pretrained:
         import torch
 

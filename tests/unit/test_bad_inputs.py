@@ -121,6 +121,9 @@ CASES = [
     (["plot", "foreign"], ["line 1", "not a metrics row"]),
     (["plot", "run", "foreign", "--labels", "a,b,c"], ["3 labels", "2 run dirs"]),
 ]
+# a rollout TP the aligned vLLM class cannot shard (tiny_moe has 2 KV heads): refused before the warm start
+CASES.append((["check", TINY, "rollout.tensor_parallel_size=4"],
+              ["model.num_kv_heads=2", "rollout.tensor_parallel_size=4", "mode=fast"]))
 if shutil.which("nvidia-smi") is None:  # a GPU recipe's warm start on a machine without CUDA
     CASES.append((["train", str(ROOT / "recipes" / "gpu_moe.yaml")], ["warm_start.device=cuda", "no CUDA device"]))
 
