@@ -2,8 +2,9 @@
 
 ``register_aligned()`` (idempotent; called by the vLLM plugin in every vLLM process) registers:
 
-* ``RZAlignedQwen3MoeForCausalLM``, ``RZAlignedQwen2ForCausalLM``, ``RZAlignedDeepseekV3ForCausalLM`` and
-  ``RZAlignedDeepseekV4ForCausalLM`` in vLLM's ModelRegistry,
+* ``RZAlignedQwen3MoeForCausalLM``, ``RZAlignedQwen2ForCausalLM``, ``RZAlignedDeepseekV3ForCausalLM``,
+  ``RZAlignedDeepseekV4ForCausalLM`` and ``RZAlignedDeepseekV41ForCausalLM`` (DeepSeek-V4.1: engram,
+  delayed hyper-connection pre-mix; sliding-window layers only) in vLLM's ModelRegistry,
   selectable with ``LLM(model=hf_dir, hf_overrides={"architectures": [name]}, ...)`` on the normal
   Hugging Face checkpoints;
 * the aligned attention backend as ``AttentionBackendEnum.CUSTOM`` (CPU or CUDA: ``vllm_bridge.vllm_compat``).
@@ -21,6 +22,7 @@ ARCHITECTURES = {
     "RZAlignedQwen2ForCausalLM": "vllm_bridge.aligned.qwen2:RZAlignedQwen2ForCausalLM",
     "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
     "RZAlignedDeepseekV4ForCausalLM": "vllm_bridge.aligned.deepseek_v4:RZAlignedDeepseekV4ForCausalLM",
+    "RZAlignedDeepseekV41ForCausalLM": "vllm_bridge.aligned.deepseek_v41:RZAlignedDeepseekV41ForCausalLM",
 }
 
 _REGISTERED = False

@@ -36,10 +36,22 @@ from .attention_backend import RZAlignedAttentionBackend
 
 class RZAlignedDeepseekV4ForCausalLM(nn.Module):
     CACHE_HEAD = 128
+    # Hooks for subclasses (DeepSeek-V4.1, deepseek_v41.py); the V4 defaults change nothing.
+    PAYLOAD_EXTRA = 0  # payload columns past the widest layer's (cached per token, ignored by attention)
+
+    def _read_config(self, hf_config):
+        return R.v4_config(hf_config)
+
+    def _build_parameter_tree(self, c, make) -> None:
+        R.build_parameter_tree(self, c, make)
+
+    def _on_history(self, i: int, a: int, b: int, q_positions: torch.Tensor, history: torch.Tensor) -> None:
+        """Called with each sequence's payload history in layer ``i`` (rows ``a:b`` of the batch)."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         self.config = vllm_config.model_config.hf_config
-        self.c = c = R.v4_config(self.config)
+        self.c = c = self._read_config(self.config)
         dtype = vllm_config.model_config.dtype
         self.cache_config = vllm_config.cache_config
         # State of the shared RZAlignedForCausalLM.load_weights: this class keeps every weight whole
@@ -50,11 +62,11 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         # split into KV heads of 128 (vLLM's CPU attention metadata refuses other head sizes, e.g.
         # 1536): the K half then the V half of a row hold the payload.
         hs = self.CACHE_HEAD
-        half = -(-c.max_payload_width // (2 * hs)) * hs
+        half = -(-(c.max_payload_width + self.PAYLOAD_EXTRA) // (2 * hs)) * hs
         self.payload, kv_heads = 2 * half, half // hs
         out_heads = kv_heads * -(-Hn * D // half)  # output must hold H * D values; a multiple of kv heads
         kinds = {"model": dtype, "fp32": torch.float32, "int64": torch.int64}
-        R.build_parameter_tree(self, c, lambda name, shape, kind: nn.Parameter(
+        self._build_parameter_tree(c, lambda name, shape, kind: nn.Parameter(
             torch.zeros(shape, dtype=kinds[kind]), requires_grad=False))
         for i in range(c.num_layers):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
@@ -77,6 +89,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
 
         def history_fn(a: int, b: int, q_positions: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
             rows = {k: v[a:b] for k, v in state.items() if k != "payload"}
+            self._on_history(i, a, b, q_positions, history)
             return R.attend_sequence(c, w, i, rows, q_positions, history).reshape(b - a, HD)
 
         # The backend calls history_fn for each sequence of the batch (see attention_backend).
