@@ -435,6 +435,34 @@ def token_map_of(dir_or_tokenizer, c: Optional[V41Config] = None) -> torch.Tenso
     return torch.tensor(m, dtype=torch.int64)
 
 
+def forward_logits(c: V41Config, g: Getter, input_ids: torch.Tensor, token_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 logits ``[B, S, V]`` of right-padded ``input_ids [B, S]`` with weights from the global
+    getter ``g`` (original names); differentiable (the tiny models' warm start trains through it)."""
+    B, S = input_ids.shape
+    ids = input_ids.reshape(-1)
+    pos = torch.arange(S).repeat(B)
+    hashes = None
+    if c.engram_layer_ids:
+        hashes = torch.cat([ngram_hashes(c, token_map, input_ids[b], torch.arange(S)) for b in range(B)])
+    streams = V4.embed(c, g("embed.weight"), ids)
+    pre = None
+    for i in range(c.num_layers):
+        pre_ = f"layers.{i}."
+        w = lambda n, pre_=pre_: g(pre_ + n)
+
+        def attend(state, i=i, w=w):
+            outs = []
+            for b in range(B):
+                rows = slice(b * S, (b + 1) * S)
+                st = {k: v[rows] for k, v in state.items()}
+                outs.append(V4.attend_sequence(c, w, i, st, pos[rows], state["payload"][rows]))
+            return torch.cat(outs, dim=0)
+
+        streams, pre = layer_forward(c, w, i, streams, pre, ids, pos, attend, engram_rows(c, hashes, i))
+    h = final_hidden(c, g, streams, pre)
+    return kernels.lm_head_logits(h, g(V4.lm_head_name(c)), out_dtype=torch.float32).view(B, S, -1)
+
+
 @torch.no_grad()
 def reference_logits(sd_or_dir, config, input_ids: torch.Tensor, token_map: Optional[torch.Tensor] = None
                      ) -> torch.Tensor:
@@ -446,31 +474,9 @@ def reference_logits(sd_or_dir, config, input_ids: torch.Tensor, token_map: Opti
     input_ids = torch.as_tensor(input_ids).long()
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    B, S = input_ids.shape
-    ids = input_ids.reshape(-1)
-    pos = torch.arange(S).repeat(B)
-    hashes = None
-    if c.engram_layer_ids:
-        if token_map is None:
-            token_map = token_map_of(sd_or_dir, c)
-        hashes = torch.cat([ngram_hashes(c, token_map, input_ids[b], torch.arange(S)) for b in range(B)])
-    streams = V4.embed(c, sd["embed.weight"], ids)
-    pre = None
-    for i in range(c.num_layers):
-        pre_ = f"layers.{i}."
-        w = lambda n, pre_=pre_: sd[pre_ + n]
-
-        def attend(state, i=i, w=w):
-            outs = []
-            for b in range(B):
-                rows = slice(b * S, (b + 1) * S)
-                st = {k: v[rows] for k, v in state.items()}
-                outs.append(V4.attend_sequence(c, w, i, st, pos[rows], state["payload"][rows]))
-            return torch.cat(outs, dim=0)
-
-        streams, pre = layer_forward(c, w, i, streams, pre, ids, pos, attend, engram_rows(c, hashes, i))
-    h = final_hidden(c, sd.__getitem__, streams, pre)
-    return kernels.lm_head_logits(h, sd[V4.lm_head_name(c)], out_dtype=torch.float32).view(B, S, -1)
+    if c.engram_layer_ids and token_map is None:
+        token_map = token_map_of(sd_or_dir, c)
+    return forward_logits(c, sd.__getitem__, input_ids, token_map)
 
 
 @torch.no_grad()
