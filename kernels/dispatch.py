@@ -44,7 +44,8 @@ __all__ = [
     "linear", "linear_partial", "rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "log_softmax", "token_logprobs",
-    "quantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
+    "quantize_act_groupwise", "fp8_gemm", "fp8_gemm_partial", "fp8_row_partials", "fp8_linear",
+    "fake_quant_linear",
 ]
 
 _TRITON_OK: Optional[bool] = None
@@ -384,26 +385,53 @@ def quantize_act_groupwise(x: torch.Tensor, group: int = _fp8.BLOCK) -> tuple[to
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-             bias: Optional[torch.Tensor] = None, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, *, out_dtype: torch.dtype = torch.bfloat16,
+             k_segments: int = 1) -> torch.Tensor:
     if not use_triton(xq):
-        return _fp8.fp8_gemm(xq, xs, wq, ws, bias, out_dtype=out_dtype)
+        return _fp8.fp8_gemm(xq, xs, wq, ws, bias, out_dtype=out_dtype, k_segments=k_segments)
     from .triton.fp8 import fp8_gemm as tg
 
-    return tg(xq, xs, wq, ws, bias, out_dtype=out_dtype)
+    return tg(xq, xs, wq, ws, bias, out_dtype=out_dtype, k_segments=k_segments)
+
+
+def fp8_gemm_partial(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """fp32 partial of one K segment (its 128-blocks chained from zero; not rounded, no bias)."""
+    if not use_triton(xq):
+        return _fp8.fp8_gemm_partial(xq, xs, wq, ws)
+    from .triton.fp8 import fp8_gemm as tg
+
+    return tg(xq, xs, wq, ws, None, out_dtype=torch.float32)  # fp32 out, no bias: the chain itself
+
+
+def fp8_row_partials(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """One TP rank of a row-parallel FP8 linear (docs/tp.md "FP8"): ``x[..., Kr]`` (the rank's K shard)
+    quantised per 1x128 group, ``(wq, ws)`` the rank's quantised weight shard ``[N, Kr]``; returns the
+    fp32 partials of its ``n_segments`` K segments, ``[n_segments, ..., N]``, to be gathered in rank
+    order, added with ``sum_partials`` and rounded with ``finish_linear``. No autograd."""
+    K = x.shape[-1]
+    N = wq.shape[0]
+    B = _fp8.BLOCK
+    with torch.no_grad():
+        xq, xs = quantize_act_groupwise(x.detach().reshape(-1, K))
+        parts = [fp8_gemm_partial(xq[:, a:b], xs[:, a // B:b // B], wq[:, a:b], ws[:, a // B:b // B])
+                 for a, b in _fp8.fp8_segments(K, n_segments)]
+    return torch.stack(parts, dim=0).reshape(n_segments, *x.shape[:-1], N)
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, weight: Optional[torch.Tensor] = None,
+               k_segments: int = 1) -> torch.Tensor:
     if not (use_triton(x) and x.dtype in _GPU_DTYPES):
-        return _fp8.fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)
+        return _fp8.fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight, k_segments=k_segments)
     from .triton.fp8 import fp8_linear as tl8
 
-    return tl8(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)
+    return tl8(x, wq, ws, bias, out_dtype=out_dtype, weight=weight, k_segments=k_segments)
 
 
 def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                      out_dtype: Optional[torch.dtype] = None, k_segments: int = 1) -> torch.Tensor:
     """Fake-quant FP8 linear (learner): the master weight quantised per 128x128 block now (the same
-    bits on every device), then :func:`fp8_linear`; straight-through gradients to x and the weight."""
+    bits on every device), then :func:`fp8_linear`; straight-through gradients to x and the weight.
+    ``k_segments``: the row-parallel form (``kernels.fp8.row_parallel_k_segments``)."""
     wq, ws = _fp8.quantize_weight_blockwise(weight)
-    return fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)
+    return fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight, k_segments=k_segments)

@@ -28,6 +28,17 @@ GEMM ``y = x @ W.T`` from the quantised operands, K walked in 128-blocks in asce
                           acc = acc + d * s                  (separate multiply and add, no FMA)
     y = (acc + bias).to(out_dtype)
 
+Row-parallel form (``k_segments = s > 1``; docs/tp.md "FP8"): K is cut into ``s`` equal segments whose
+width is a multiple of 128 (``K % (s * 128) == 0``); each segment's blocks are chained as above into
+their own fp32 partial started from zero (:func:`fp8_gemm_partial`), the ``s`` partials are added in
+segment order (``kernels.sum_partials``: ``((p0 + p1) + p2) + ...``), then the bias and one rounding
+(``kernels.finish_linear``). A TP rank holding segments ``r*s/t .. (r+1)*s/t - 1`` computes exactly
+those partials from its K shard (its 1x128 activation groups and 128x128 weight blocks are the full
+tensor's, since the shard width is a multiple of 128), so gathered in rank order they give the
+one-rank bits. ``k_segments = 1`` is the single chain above, unchanged. Row-parallel layers use
+:func:`row_parallel_k_segments` (``ROW_PARALLEL_K_SEGMENTS`` = 8 when ``K % 1024 == 0``, else 1:
+such a layer keeps the single chain and cannot be split over TP ranks).
+
 (``d * (xs * ws)``, as DeepGEMM scales, rather than vLLM's Triton ``(d * xs) * ws``: one multiply per
 element less in the kernel's promotion step, which runs on the CUDA cores between tensor-core dots.)
 
@@ -49,12 +60,13 @@ import torch
 import torch.nn.functional as F
 
 from ._common import with_reference_grad
-from .gemm import partial_fp32
+from .gemm import ROW_PARALLEL_K_SEGMENTS, finish_linear, partial_fp32, sum_partials
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "BLOCK", "ACT_EPS",
     "quantize_weight_blockwise", "quantize_act_groupwise", "dequantize_weight_blockwise",
-    "dequantize_act_groupwise", "fp8_gemm", "fp8_linear", "fake_quant_linear",
+    "dequantize_act_groupwise", "fp8_gemm", "fp8_gemm_partial", "fp8_linear", "fake_quant_linear",
+    "row_parallel_k_segments", "fp8_segments",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -112,13 +124,61 @@ def dequantize_act_groupwise(xq: torch.Tensor, xs: torch.Tensor, group: int = BL
     return xq.to(torch.float32) * xs.repeat_interleave(group, -1)[..., :K]
 
 
+def row_parallel_k_segments(K: int) -> int:
+    """K segments of a row-parallel FP8 layer of width ``K``: ``ROW_PARALLEL_K_SEGMENTS`` (8) when
+    each segment holds whole 128-wide blocks (``K % 1024 == 0``), else 1 (the single chain: the layer
+    then cannot be split over TP ranks bitwise)."""
+    s = ROW_PARALLEL_K_SEGMENTS
+    return s if K % (s * BLOCK) == 0 else 1
+
+
+def fp8_segments(K: int, k_segments: int, block: int = BLOCK) -> list[tuple[int, int]]:
+    """``[(k0, k1), ...]`` of the ``k_segments`` equal K segments (each a whole number of blocks)."""
+    if k_segments < 1 or K % k_segments or (k_segments > 1 and (K // k_segments) % block):
+        raise ValueError(f"fp8_gemm: K={K} does not split into k_segments={k_segments} segments of whole "
+                         f"{block}-wide blocks (K must be a multiple of k_segments * {block})")
+    w = K // k_segments
+    return [(i * w, (i + 1) * w) for i in range(k_segments)]
+
+
+def _chain(x32, xs32, w32, ws_rows, block: int, M: int, N: int, device) -> torch.Tensor:
+    """fp32 ``acc`` of the blocks of this K range, chained in ascending order from zero."""
+    K = x32.shape[1]
+    acc = torch.zeros(M, N, dtype=torch.float32, device=device)
+    for i, k0 in enumerate(range(0, K, block)):
+        k1 = min(K, k0 + block)
+        d = partial_fp32(x32[:, k0:k1], w32[:, k0:k1])  # [M, N] fixed tree over the block
+        acc = acc + d * (xs32[:, i : i + 1] * ws_rows[:, i][None, :])
+    return acc
+
+
+def fp8_gemm_partial(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, *,
+                     block: int = BLOCK) -> torch.Tensor:
+    """fp32 partial (not rounded, no bias) of one K segment: its 128-blocks chained in ascending
+    order from zero. ``xq[M, Ks]``, ``xs[M, Ks/128]``, ``wq[N, Ks]``, ``ws[ceil(N/128), Ks/128]``.
+    Combine with ``kernels.sum_partials`` (segment order) and ``kernels.finish_linear``."""
+    M = xq.shape[0]
+    N = wq.shape[0]
+    ws_rows = ws.to(torch.float32).repeat_interleave(block, 0)[:N]
+    return _chain(xq.to(torch.float32), xs.to(torch.float32), wq.to(torch.float32), ws_rows, block, M, N,
+                  xq.device)
+
+
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
              bias: Optional[torch.Tensor] = None, *, out_dtype: torch.dtype = torch.bfloat16,
-             block: int = BLOCK) -> torch.Tensor:
+             block: int = BLOCK, k_segments: int = 1) -> torch.Tensor:
     """Reference block-scaled GEMM of already quantised operands (see module docstring).
 
-    ``xq[M, K]`` e4m3, ``xs[M, ceil(K/128)]``, ``wq[N, K]`` e4m3, ``ws[ceil(N/128), ceil(K/128)]``."""
+    ``xq[M, K]`` e4m3, ``xs[M, ceil(K/128)]``, ``wq[N, K]`` e4m3, ``ws[ceil(N/128), ceil(K/128)]``.
+    ``k_segments > 1``: the row-parallel form (per-segment chains added in segment order)."""
     M, K = xq.shape
+    if k_segments != 1:
+        N = wq.shape[0]
+        ws_rows = ws.to(torch.float32).repeat_interleave(block, 0)[:N]
+        x32, w32, xs32 = xq.to(torch.float32), wq.to(torch.float32), xs.to(torch.float32)
+        parts = [_chain(x32[:, a:b], xs32[:, a // block:b // block], w32[:, a:b], ws_rows[:, a // block:b // block],
+                        block, M, N, xq.device) for a, b in fp8_segments(K, k_segments, block)]
+        return finish_linear(sum_partials(parts), bias, out_dtype)
     N = wq.shape[0]
     x32 = xq.to(torch.float32)
     w32 = wq.to(torch.float32)
@@ -135,21 +195,24 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, weight: Optional[torch.Tensor] = None,
+               k_segments: int = 1) -> torch.Tensor:
     """``x[..., K]`` -> quantise per 1x128 group -> block-scaled GEMM with ``(wq, ws)`` -> ``[..., N]``.
 
     Row invariant. Differentiable w.r.t. ``x`` (and ``bias``): straight-through, i.e. the gradient of
     ``F.linear(x, dequantize(wq, ws))``. ``weight``: the high-precision master weight ``(wq, ws)``
     was quantised from (fake-quant training); it does not enter the forward (same bits with or
     without it) and receives the straight-through gradient ``grad_out^T @ x``, as if the linear had
-    used the dequantised weight."""
+    used the dequantised weight. ``k_segments``: see :func:`fp8_gemm` (row-parallel layers)."""
     K = x.shape[-1]
     N = wq.shape[0]
     odt = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.float32)
+    if k_segments != 1:
+        fp8_segments(K, k_segments)  # refuse a bad segmentation before any work
 
     def fwd(x_, b_, w_=None):
         xq, xs = quantize_act_groupwise(x_.reshape(-1, K))
-        return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt).reshape(*x_.shape[:-1], N)
+        return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt, k_segments=k_segments).reshape(*x_.shape[:-1], N)
 
     return with_reference_grad(fwd, ste_reference(wq, ws, odt), x, bias, weight)
 
@@ -170,9 +233,9 @@ def ste_reference(wq: torch.Tensor, ws: torch.Tensor, odt: torch.dtype):
 
 
 def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                      out_dtype: Optional[torch.dtype] = None, k_segments: int = 1) -> torch.Tensor:
     """Learner side of blockwise FP8 (fake quantisation): quantise the master ``weight[N, K]`` per
     128x128 block now, then :func:`fp8_linear` -- bitwise what an engine computes from the same
     weight quantised once at load. Straight-through gradients to ``x``, ``bias`` and ``weight``."""
     wq, ws = quantize_weight_blockwise(weight)
-    return fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight)
+    return fp8_linear(x, wq, ws, bias, out_dtype=out_dtype, weight=weight, k_segments=k_segments)

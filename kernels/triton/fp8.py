@@ -9,6 +9,12 @@ block-scaled GEMM. Formats and formulas: kernels/fp8.py (the exact reference).
   fixed order. No split-K, no atomics; BLOCK_K = 128 is part of the numerics, the M/N tile is chosen
   per M freely (all configs give the same bits; tested), so a row's result never depends on the
   batch. (Each block's dot is one FP8 wgmma chain; BLOCK_M is kept >= 64 so every config uses wgmma.)
+* ``fp8_gemm(..., k_segments=s)``, ``s > 1`` (row-parallel layers, docs/tp.md "FP8"): K in ``s`` equal
+  segments of whole 128-blocks; each segment's blocks chained as above into their own fp32 partial
+  started from zero, each partial folded into a running total at its segment's end (the first one
+  becomes the total, then ``total = total + part``: ``kernels.sum_partials``'s order), then bias and one
+  rounding. ``s = 1`` runs the single-chain code unchanged. (Untested on a GPU at the time of writing:
+  tests/gpu/test_triton_fp8.py::test_fp8_gemm_k_segments checks it against the per-segment partials.)
 """
 
 from __future__ import annotations
@@ -136,12 +142,27 @@ def _load_ab(a_ptr, b_ptr, a_desc, b_desc, off_m, off_n, rm, rn, mask_m, mask_n,
     return a, b
 
 
+@triton.jit
+def _seg_chain(a_ptr, b_ptr, a_desc, b_desc, as_ptr, bs_ptr, off_m, off_n, rm, rn, mask_m, mask_n, nb, kb0, kb1, K,
+               stride_am, stride_bn, stride_asm, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, TMA: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """fp32 chain of K blocks kb0 .. kb1-1 from zero: ``part = part + d * (xs * ws)`` in ascending order."""
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+        a, b = _load_ab(a_ptr, b_ptr, a_desc, b_desc, off_m, off_n, rm, rn, mask_m, mask_n, kb * BLOCK_K, K,
+                        stride_am, stride_bn, BLOCK_K, TMA)
+        d = tl.dot(a, b.T)
+        sc = tl.load(as_ptr + rm * stride_asm + kb, mask=mask_m, other=0.0) * tl.load(bs_ptr + nb * stride_bsn + kb)
+        part = part + d * sc[:, None]
+    return part
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, b_ptr, a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, M, N, K,
                      stride_am, stride_bn, stride_asm, stride_bsn, stride_om, stride_on,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, PIPE: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, PIPE: tl.constexpr, K_SEGMENTS: tl.constexpr = 1):
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
@@ -153,7 +174,19 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias
     nb = off_n // BLOCK_K  # BLOCK_N divides the 128-row weight block: one weight scale per K block
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     KB = tl.cdiv(K, BLOCK_K)
-    if PIPE:
+    if K_SEGMENTS > 1:
+        # row-parallel form: segment 0's chain is the running total; each later segment's chain
+        # (from zero) is added to it at the segment's end, in segment order (host: K % (s*128) == 0)
+        SB = KB // K_SEGMENTS
+        acc = _seg_chain(a_ptr, b_ptr, a_desc, b_desc, as_ptr, bs_ptr, off_m, off_n, rm, rn, mask_m, mask_n, nb,
+                         0, SB, K, stride_am, stride_bn, stride_asm, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                         NUM_STAGES)
+        for seg in range(1, K_SEGMENTS):
+            part = _seg_chain(a_ptr, b_ptr, a_desc, b_desc, as_ptr, bs_ptr, off_m, off_n, rm, rn, mask_m, mask_n,
+                              nb, seg * SB, (seg + 1) * SB, K, stride_am, stride_bn, stride_asm, stride_bsn,
+                              BLOCK_M, BLOCK_N, BLOCK_K, TMA, NUM_STAGES)
+            acc = acc + part
+    elif PIPE:
         # the dot of block kb is issued before block kb-1 is promoted (same operations, same order)
         a, b = _load_ab(a_ptr, b_ptr, a_desc, b_desc, off_m, off_n, rm, rn, mask_m, mask_n, 0, K,
                         stride_am, stride_bn, BLOCK_K, TMA)
@@ -192,13 +225,18 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
              bias: Optional[torch.Tensor] = None, *, out_dtype: torch.dtype = torch.bfloat16,
-             config: Optional[Fp8Config] = None) -> torch.Tensor:
+             config: Optional[Fp8Config] = None, k_segments: int = 1) -> torch.Tensor:
     """Block-scaled GEMM of quantised operands (CUDA): ``xq[M, K]``, ``xs[M, ceil(K/128)]``,
-    ``wq[N, K]``, ``ws[ceil(N/128), ceil(K/128)]`` -> ``[M, N]`` in ``out_dtype``. No autograd."""
+    ``wq[N, K]``, ``ws[ceil(N/128), ceil(K/128)]`` -> ``[M, N]`` in ``out_dtype``. No autograd.
+    ``k_segments > 1``: the row-parallel form (module docstring; K a multiple of k_segments * 128)."""
     M, K = xq.shape
     N = wq.shape[0]
     if wq.shape[1] != K:
         raise ValueError("fp8_gemm: K mismatch")
+    if k_segments != 1:
+        from ..fp8 import fp8_segments
+
+        fp8_segments(K, k_segments)  # raises unless K splits into whole 128-blocks per segment
     cfg = config or pick_fp8_config(M, N, K)
     if BLOCK % cfg.block_n:
         raise ValueError("fp8_gemm: BLOCK_N must divide 128")
@@ -220,14 +258,14 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
         xq, wq, a_desc, b_desc, xs, ws, out, bias if bias is not None else out, M, N, K,
         xq.stride(0), wq.stride(0), xs.stride(0), ws.stride(0), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK,
-        GROUP_M=cfg.group_m, TMA=tma, NUM_STAGES=cfg.num_stages, PIPE=cfg.pipe, num_warps=cfg.num_warps,
-        enable_fp_fusion=False)
+        GROUP_M=cfg.group_m, TMA=tma, NUM_STAGES=cfg.num_stages, PIPE=cfg.pipe, K_SEGMENTS=k_segments,
+        num_warps=cfg.num_warps, enable_fp_fusion=False)
     return out
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                out_dtype: Optional[torch.dtype] = None, config: Optional[Fp8Config] = None,
-               weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+               weight: Optional[torch.Tensor] = None, k_segments: int = 1) -> torch.Tensor:
     """Quantise ``x[..., K]`` per 1x128 group, then :func:`fp8_gemm`. Gradient: straight-through
     (``F.linear`` with the dequantised weight; ``weight``, the master weight, gets its gradient too),
     as the CPU reference."""
@@ -240,6 +278,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: Option
 
     def fwd(x_, b_, w_=None):
         xq, xs = quantize_act_groupwise(x_.reshape(-1, K))
-        return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt, config=config).reshape(*x_.shape[:-1], N)
+        return fp8_gemm(xq, xs, wq, ws, b_, out_dtype=odt, config=config,
+                        k_segments=k_segments).reshape(*x_.shape[:-1], N)
 
     return with_reference_grad(fwd, ste_reference(wq, ws, odt), x, bias, weight)

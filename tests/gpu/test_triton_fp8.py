@@ -108,3 +108,47 @@ def test_fp8_linear_dispatch_and_grad():
     assert x.grad is not None and torch.isfinite(x.grad).all()
     yc = kernels.fp8_linear(x.detach().cpu(), wq.cpu(), ws.cpu())
     assert ((y.detach().cpu() - yc).norm() / yc.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("K,N", [(7168 + 1024, 2048), (2048, 7168), (1024, 200)])
+def test_fp8_gemm_k_segments(K, N):
+    """Row-parallel FP8 (docs/tp.md "FP8"): the Triton GEMM at k_segments=8 is bitwise the 8 per-segment
+    fp32 chains added in segment order, also when the segments come from t = 1, 2, 4, 8 rank shards
+    (kernels.dispatch.fp8_row_partials); row invariant; every config the same bits; k_segments=1 unchanged
+    (its bits are the single chain's); close to the CPU reference. Written without a GPU (untested)."""
+    _need_cuda()
+    from kernels import dispatch as D
+    from kernels import fp8 as F8
+    from kernels.gemm import finish_linear, sum_partials
+
+    f8 = _f8()
+    S, B = 8, F8.BLOCK
+    w = _randn(N, K, seed=13, scale=K ** -0.5)
+    wq, ws = F8.quantize_weight_blockwise(w)
+    x = _randn(300, K, seed=14)
+    xq, xs = f8.quantize_act_groupwise(x)
+    y8 = f8.fp8_gemm(xq, xs, wq, ws, out_dtype=torch.float32, k_segments=S)
+    seg = K // S
+    parts = [f8.fp8_gemm(xq[:, j * seg:(j + 1) * seg], xs[:, j * seg // B:(j + 1) * seg // B],
+                         wq[:, j * seg:(j + 1) * seg], ws[:, j * seg // B:(j + 1) * seg // B],
+                         out_dtype=torch.float32) for j in range(S)]
+    assert torch.equal(y8, sum_partials(parts))
+    for t in (1, 2, 4, 8):
+        kr = K // t
+        ranks = [D.fp8_row_partials(x[:, r * kr:(r + 1) * kr], wq[:, r * kr:(r + 1) * kr],
+                                    ws[:, r * kr // B:(r + 1) * kr // B], S // t) for r in range(t)]
+        allp = [p for rk in ranks for p in rk.unbind(0)]
+        assert torch.equal(finish_linear(sum_partials(allp), None, torch.float32), y8), f"t={t}"
+    yb = f8.fp8_gemm(xq, xs, wq, ws, k_segments=S)
+    assert torch.equal(yb, y8.to(torch.bfloat16))
+    alone = torch.cat([f8.fp8_gemm(xq[i:i + 1], xs[i:i + 1], wq, ws, k_segments=S) for i in range(64)])
+    assert torch.equal(alone, yb[:64])
+    for M in (1, 64, 300):
+        outs = {n: f8.fp8_gemm(xq[:M], xs[:M], wq, ws, out_dtype=torch.float32, config=c, k_segments=S)
+                for n, c in f8.FP8_CONFIGS.items()}
+        for n, o in outs.items():
+            assert torch.equal(o, y8[:M]), f"config {n} differs at M={M}"
+    one = f8.fp8_gemm(xq, xs, wq, ws, out_dtype=torch.float32)  # single chain: a different sum
+    ref = F8.fp8_gemm(xq[:16].cpu(), xs[:16].cpu(), wq.cpu(), ws.cpu(), out_dtype=torch.float32, k_segments=S)
+    assert ((y8[:16].cpu() - ref).norm() / ref.norm()).item() < 2e-3
+    assert ((one - y8).norm() / y8.norm()).item() < 1e-5

@@ -121,3 +121,90 @@ def test_fake_quant_linear_master_weight_gets_straight_through_grad():
         exp_x = gy @ F8.dequantize_weight_blockwise(wq, ws)
         assert torch.allclose(w.grad, exp_w, rtol=1e-5, atol=1e-5)
         assert torch.allclose(x.grad, exp_x, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ row-parallel FP8 (docs/tp.md "FP8")
+
+
+def test_row_parallel_k_segments_rule():
+    S = kernels.ROW_PARALLEL_K_SEGMENTS
+    assert S == 8
+    assert [F8.row_parallel_k_segments(k) for k in (128, 256, 1000, 1536, 1024, 2048, 7168, 16384)] == \
+        [1, 1, 1, 1, 8, 8, 8, 8]
+    assert F8.fp8_segments(2048, 8)[1] == (256, 512)
+    import pytest
+
+    for K, s in ((1536, 8), (1000, 8), (512, 3)):
+        with pytest.raises(ValueError, match="whole 128-wide blocks|does not split"):
+            F8.fp8_segments(K, s)
+    x = torch.randn(2, 1536)
+    wq, ws = F8.quantize_weight_blockwise(torch.randn(4, 1536))
+    with pytest.raises(ValueError, match="k_segments=8"):
+        F8.fp8_linear(x, wq, ws, k_segments=8)
+
+
+def test_fp8_k_segments_one_is_the_single_chain():
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(7, 1024, generator=g).bfloat16()
+    wq, ws = F8.quantize_weight_blockwise(torch.randn(96, 1024, generator=g) * 0.03)
+    a = F8.fp8_linear(x, wq, ws)
+    assert torch.equal(_bits(F8.fp8_linear(x, wq, ws, k_segments=1)), _bits(a))
+    xq, xs = F8.quantize_act_groupwise(x)
+    chain = F8.fp8_gemm_partial(xq, xs, wq, ws)  # the one chain, fp32, not rounded
+    assert torch.equal(F8.fp8_gemm(xq, xs, wq, ws, out_dtype=torch.float32), chain)
+    # K = 1024: one block per segment, so the 8 chains are the 8 block terms and their in-order sum
+    # is the single chain itself (0 + t == t exactly): the same bits
+    assert torch.equal(F8.fp8_gemm(xq, xs, wq, ws, out_dtype=torch.float32, k_segments=8), chain)
+    x2 = torch.randn(7, 2048, generator=g).bfloat16()
+    wq2, ws2 = F8.quantize_weight_blockwise(torch.randn(96, 2048, generator=g) * 0.03)
+    xq2, xs2 = F8.quantize_act_groupwise(x2)
+    chain2 = F8.fp8_gemm_partial(xq2, xs2, wq2, ws2)
+    y8 = F8.fp8_gemm(xq2, xs2, wq2, ws2, out_dtype=torch.float32, k_segments=8)
+    assert not torch.equal(y8, chain2)  # K = 2048: two blocks per segment, another sum order
+    assert ((y8 - chain2).abs().max() / chain2.abs().max()).item() < 1e-5
+
+
+def test_fp8_row_parallel_partials_over_ranks_equal_one_rank():
+    """8-segment FP8 partials computed by t = 1, 2, 4, 8 ranks from their K shards (quantising their
+    own activation and weight shards), gathered in rank order and added in segment order, are bitwise
+    the one-rank 8-segment FP8 GEMM (kernels.fp8_linear / fake_quant_linear at k_segments=8)."""
+    from kernels.dispatch import fp8_row_partials
+    from kernels.gemm import finish_linear, sum_partials
+
+    g = torch.Generator().manual_seed(22)
+    K, N, S = 2048, 200, kernels.ROW_PARALLEL_K_SEGMENTS
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(13, K, generator=g) * 2).to(dtype)
+        w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+        w[:, :128] *= 50  # one wide-range K block column
+        wq, ws = F8.quantize_weight_blockwise(w)
+        one = kernels.fp8_linear(x, wq, ws, out_dtype=dtype, k_segments=S)
+        assert torch.equal(_bits(kernels.fake_quant_linear(x, w, out_dtype=dtype, k_segments=S)), _bits(one))
+        for t in (1, 2, 4, 8):
+            kr = K // t
+            allp = []
+            for r in range(t):
+                wq_r, ws_r = F8.quantize_weight_blockwise(w[:, r * kr:(r + 1) * kr])  # the rank's shard
+                assert torch.equal(ws_r, ws[:, r * kr // 128:(r + 1) * kr // 128])
+                allp += list(fp8_row_partials(x[:, r * kr:(r + 1) * kr], wq_r, ws_r, S // t).unbind(0))
+            assert len(allp) == S
+            got = finish_linear(sum_partials(allp), None, dtype)
+            assert torch.equal(_bits(got), _bits(one)), (dtype, t)
+        # row invariant: a row alone == the row in the batch
+        for i in (0, 5, 12):
+            assert torch.equal(_bits(kernels.fp8_linear(x[i:i + 1], wq, ws, out_dtype=dtype, k_segments=S)),
+                               _bits(one[i:i + 1]))
+
+
+def test_fp8_column_shards_and_activation_groups_are_tp_exact():
+    """Column-parallel FP8: a 128-aligned row shard of the weight quantises to the full weight's
+    blocks, and the activation is quantised per row over the unsplit K: the shard's outputs are the
+    full output's columns, bitwise."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(9, 384, generator=g).bfloat16()
+    w = torch.randn(512, 384, generator=g).bfloat16() * 0.05
+    full = kernels.fake_quant_linear(x, w, out_dtype=torch.bfloat16)
+    for t in (2, 4):
+        n = 512 // t
+        cols = [kernels.fake_quant_linear(x, w[r * n:(r + 1) * n], out_dtype=torch.bfloat16) for r in range(t)]
+        assert torch.equal(_bits(torch.cat(cols, dim=-1)), _bits(full))
