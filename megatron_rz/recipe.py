@@ -42,7 +42,9 @@ class ModelConfig(_Strict):
 
     # deepseek_v4: learner megatron_rz/learner/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
     # qwen2: dense Qwen2ForCausalLM (q/k/v biases, no QK-norm; num_experts=0, head_dim = hidden / heads).
-    arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4"] = "qwen3_moe"
+    # deepseek_v41: DeepSeek-V4.1 (engram, delayed hc pre-mix; sliding-window layers only): the V4 learner
+    # module, kernels/models/dsv41.py, vllm_bridge/aligned/deepseek_v41.py; model.compress_ratios all 0.
+    arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4", "deepseek_v41"] = "qwen3_moe"
     # A Hugging Face checkpoint directory to start from (config.json, *.safetensors, tokenizer; on a
     # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
     # section (megatron_rz/learner/pretrained.py checks it before anything starts).
@@ -142,12 +144,15 @@ class ModelConfig(_Strict):
             len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 4, 128}
         ):
             raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
-        if self.arch == "deepseek_v4" and not 0 <= self.num_hash_layers <= self.num_layers:
+        if self.arch == "deepseek_v41" and (len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0}):
+            raise ValueError("deepseek_v41 needs model.compress_ratios: 0 per layer (num_layers entries; V4.1's "
+                             "compressed layers are not reproduced yet, kernels/models/dsv41.py)")
+        if self.arch in ("deepseek_v4", "deepseek_v41") and not 0 <= self.num_hash_layers <= self.num_layers:
             raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
         if self.fp8 != "none" and self.arch == "qwen2":
             raise ValueError("model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the learner's FP8 fused "
                              "q/k/v linear has no bias yet); set model.fp8=none for qwen2")
-        if self.fp8 != "none" and self.arch == "deepseek_v4":
+        if self.fp8 != "none" and self.arch in ("deepseek_v4", "deepseek_v41"):
             raise ValueError(
                 "model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the aligned V4 path has no "
                 "FP8 linears yet); set model.fp8=none for deepseek_v4"
@@ -478,11 +483,12 @@ class Recipe(_Strict):
             raise ValueError(
                 f"model.fp8={m.fp8} runs in the aligned model classes on both sides (the stock vLLM and "
                 "Megatron paths have no matching FP8 linears): use mode=aligned, or model.fp8=none")
-        if m.fp8 != "none" and p.tp > 1:
-            raise ValueError(
-                f"model.fp8={m.fp8} with parallel.tp={p.tp}: the FP8 GEMM adds its 128-wide K blocks in one "
-                "ascending chain, which row-parallel halves on two ranks cannot reproduce bit for bit; use "
-                "parallel.tp=1 with dp/ep, or model.fp8=none")
+        if m.fp8 != "none" and p.tp > 1:  # the row-parallel FP8 contract's shape rules (docs/tp.md "FP8")
+            from megatron_rz.learner.aligned_spec import fp8_tp_message, fp8_tp_problems
+
+            bad = fp8_tp_problems(m, p.tp)
+            if bad:
+                raise ValueError(fp8_tp_message(m, p.tp, bad[0]))
         if m.num_experts % p.ep:
             raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
         if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:

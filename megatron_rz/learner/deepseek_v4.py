@@ -17,6 +17,12 @@ Parallelism: data parallel (Megatron's DDP) and expert parallel: with ``ep`` ran
 each computes the slots routed to its own experts (the others stay exact zeros) and a
 reduce-scatter hands every token its slots back; the combine then runs in slot order as with one
 rank, so EP=2 equals EP=1 bitwise. TP and PP are refused (:func:`check_supported`).
+
+DeepSeek-V4.1 (a checkpoint whose config.json :func:`is_v41` recognises; recipe ``model.arch:
+deepseek_v41``): the same modules over :mod:`kernels.models.dsv41`'s names and layer function (delayed
+hyper-connection pre-mix carried from layer to layer, engram on ``engram_layer_ids``, no hc head).
+The engram n-gram hashes are integers computed once per sequence from its token ids; the engram
+table, ``wkv``, ``q_weight`` and ``k_weight`` are trained like any weight.
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ from torch import nn
 
 from megatron_rz.recipe import ModelConfig, ParallelConfig
 from kernels.models import dsv4 as R
+from kernels.models import dsv41 as R41
+
+
+def is_v41(hf_dir) -> bool:
+    """The checkpoint is DeepSeek-V4.1 (its architectures name it, or it has V4.1-only keys)."""
+    import json
+    import os
+
+    cfg = json.loads(open(os.path.join(os.fspath(hf_dir), "config.json")).read())
+    return (any("V41" in a for a in cfg.get("architectures") or [])
+            or any(k in cfg for k in ("engram_layer_ids", "kv_source_layer_ids", "index_source_layer_ids")))
+
+
+def _tree(c):
+    """The parameter-tree builder of the config's family (V4.1: no hc head, engram weights)."""
+    return R41.build_parameter_tree if isinstance(c, R41.V41Config) else R.build_parameter_tree
 
 
 def check_supported(parallel: ParallelConfig, num_experts: int) -> None:
@@ -75,7 +97,7 @@ class DeepseekV4Attention(nn.Module):
     def __init__(self, c: R.V4Config, index: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.c, self.index = c, index
-        R.build_parameter_tree(self, c, _maker(dtype), prefix=f"layers.{index}.attn.")
+        _tree(c)(self, c, _maker(dtype), prefix=f"layers.{index}.attn.")
 
     def forward(self, state: dict, positions: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         w = lambda n: R.lookup(self, n.removeprefix("attn."))
@@ -105,7 +127,7 @@ class DeepseekV4MoE(nn.Module):
         self.ep, rank, self.group = _expert_group()
         per = c.num_experts // self.ep
         self.owned = range(rank * per, (rank + 1) * per)
-        R.build_parameter_tree(self, c, _maker(dtype), prefix=f"layers.{index}.ffn.",
+        _tree(c)(self, c, _maker(dtype), prefix=f"layers.{index}.ffn.",
                                include=lambda n: _expert_id(n) is None or _expert_id(n) in self.owned)
         for name, p in self.named_parameters():
             if name.startswith("experts."):
@@ -139,11 +161,12 @@ class DeepseekV4Layer(nn.Module):
 
         super().__init__()
         self.c, self.index = c, index
-        R.build_parameter_tree(self, c, _maker(dtype), prefix=f"layers.{index}.", skip=("attn.", "ffn."))
+        _tree(c)(self, c, _maker(dtype), prefix=f"layers.{index}.", skip=("attn.", "ffn."))
         self.attn = build_module(submodules["attention"], c, index, dtype)
         self.ffn = build_module(submodules["moe"], c, index, dtype)
 
-    def forward(self, streams, input_ids, positions, seq_len: int):
+    def forward(self, streams, input_ids, positions, seq_len: int, pre_mix=None, hashes=None):
+        """V4: ``streams``; V4.1: ``(streams, pre_mix)`` (``hashes``: every engram layer's n-gram rows)."""
         def attend(state):
             outs = []  # one sequence at a time, over its own payload rows
             for b0 in range(0, state["q"].shape[0], seq_len):
@@ -152,6 +175,10 @@ class DeepseekV4Layer(nn.Module):
             return torch.cat(outs, dim=0)
 
         # names relative to the layer ("attn.wq_a.weight" lives in the attention submodule)
+        if isinstance(self.c, R41.V41Config):
+            return R41.layer_forward(self.c, lambda n: R.lookup(self, n), self.index, streams, pre_mix, input_ids,
+                                     positions, attend, R41.engram_rows(self.c, hashes, self.index),
+                                     moe=lambda x: self.ffn(x, input_ids))
         return R.layer_forward(self.c, lambda n: R.lookup(self, n), self.index, streams, input_ids, positions, attend,
                                moe=lambda x: self.ffn(x, input_ids))
 
@@ -185,7 +212,9 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import build_module
 
-    c = R.v4_config(str(hf_dir))
+    v41 = is_v41(hf_dir)
+    c = R41.v41_config(str(hf_dir)) if v41 else R.v4_config(str(hf_dir))
+    token_map = R41.token_map_of(str(hf_dir), c) if v41 and c.engram_layer_ids else None
     check_supported(parallel, c.num_experts)
     config = transformer_config(model_cfg, parallel)
     dtype = getattr(torch, model_cfg.dtype)
@@ -194,7 +223,7 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
         def __init__(self) -> None:
             super().__init__(config=config)
             self.c = c
-            R.build_parameter_tree(self, c, _maker(dtype), skip=("layers.",))
+            _tree(c)(self, c, _maker(dtype), skip=("layers.",))
             self.layers = nn.ModuleList([build_module(layer_spec(), c, i, dtype) for i in range(c.num_layers)])
             self.embedding = nn.Module()
             self.embedding.word_embeddings = _EmbeddingView(self)
@@ -207,9 +236,19 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
             ids = input_ids.reshape(-1)
             pos = torch.arange(s, device=ids.device).repeat(b)
             streams = R.embed(c, self.embed.weight, ids)
-            for layer in self.layers:
-                streams = layer(streams, ids, pos, s)
-            h = R.final_hidden(c, lambda n: R.lookup(self, n), streams)
+            if v41:
+                hashes = None
+                if token_map is not None:  # exact integers, one sequence at a time
+                    hashes = torch.cat([R41.ngram_hashes(c, token_map, input_ids[r], torch.arange(s))
+                                        for r in range(b)])
+                pre = None
+                for layer in self.layers:
+                    streams, pre = layer(streams, ids, pos, s, pre, hashes)
+                h = R41.final_hidden(c, lambda n: R.lookup(self, n), streams, pre)
+            else:
+                for layer in self.layers:
+                    streams = layer(streams, ids, pos, s)
+                h = R.final_hidden(c, lambda n: R.lookup(self, n), streams)
             lm = self.embed.weight if c.tie_word_embeddings else self.head.weight
             return kernels.lm_head_logits(h, lm, out_dtype=torch.float32).view(b, s, -1)
 

@@ -236,7 +236,7 @@ def _read_hf(src) -> Callable[[str], torch.Tensor]:
 def load_hf_into_megatron(model, hf_dir_or_state_dict, model_cfg: ModelConfig) -> None:
     """Copy a Hugging Face checkpoint (a directory of *.safetensors, or a state dict with HF names)
     into the Megatron model; each rank reads only the tensors of its own shard."""
-    if model_cfg.arch == "deepseek_v4":  # weights named as in the checkpoint: a direct copy
+    if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):  # weights named as in the checkpoint: a direct copy
         from megatron_rz.learner import deepseek_v4
 
         return deepseek_v4.load_weights(model, hf_dir_or_state_dict)
@@ -274,7 +274,7 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
     replicated one may share storage with the parameter (clone before modifying). Model dtype; the
     DeepSeek expert bias stays float32 as Megatron keeps it.
     """
-    if model_cfg.arch == "deepseek_v4":
+    if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):
         from megatron_rz.learner import deepseek_v4
 
         yield from deepseek_v4.export_weights(model)

@@ -212,6 +212,14 @@ def deepseek_v4_original_state_dict(model) -> dict[str, torch.Tensor]:
 def save_hf_checkpoint(model, out_dir: Path, arch: str) -> None:
     """Write config.json + model.safetensors for vLLM and from_pretrained (see the note above for
     deepseek_v4's names; the other architectures use save_pretrained's names)."""
+    if arch == "deepseek_v41":
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return
     if arch != "deepseek_v4":
         model.save_pretrained(out_dir, safe_serialization=True)
         return
@@ -238,6 +246,10 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
     out_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(recipe.task)
     tok = train_tokenizer(task, recipe.warm_start.tokenizer_vocab, out_dir, seed)
+    if recipe.model.arch == "deepseek_v41":
+        model = TinyDeepseekV41(deepseek_v41_config_dict(tok, **deepseek_v41_overrides(recipe.model)), tok, seed)
+        save_hf_checkpoint(model, out_dir, "deepseek_v41")
+        return model, tok
     cfg = hf_config(recipe.model, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)
     model = _hf_model_class(recipe.model.arch)(cfg).to(torch.float32)
@@ -394,3 +406,45 @@ def make_tiny_dsv41_checkpoint(out_dir: Path, seed: int = 0, task_cfg=None, **ov
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     save_file(random_dsv41_state_dict(cfg, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return cfg
+
+
+def deepseek_v41_overrides(m: ModelConfig) -> dict:
+    """The recipe's model section as V4.1 config.json keys (engram on layer 1 and the last layer)."""
+    return dict(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank, o_groups=m.o_groups, o_lora_rank=m.o_lora_rank,
+        n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k, n_shared_experts=m.num_shared_experts,
+        moe_intermediate_size=m.moe_ffn_hidden_size, scoring_func=m.router_score,
+        routed_scaling_factor=m.routed_scaling_factor, swiglu_limit=m.swiglu_limit,
+        compress_ratios=list(m.compress_ratios), num_hash_layers=m.num_hash_layers, hc_mult=m.hc_mult,
+        sliding_window=m.sliding_window, index_n_heads=m.index_n_heads, index_head_dim=m.index_head_dim,
+        index_topk=m.index_topk, max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
+        rope_theta=m.rope_theta, compress_rope_theta=m.compress_rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+        engram_layer_ids=sorted({1, m.num_layers - 1}) if m.num_layers > 1 else [],
+    )
+
+
+class TinyDeepseekV41(torch.nn.Module):
+    """A trainable V4.1 over :mod:`kernels.models.dsv41` (original names), for the warm start:
+    ``model(input_ids=ids).logits``; ``hf_config`` is its config.json."""
+
+    def __init__(self, cfg: dict, tokenizer, seed: int = 0) -> None:
+        from types import SimpleNamespace
+
+        from kernels.models import dsv41
+
+        super().__init__()
+        self.hf_config = cfg
+        self.c = dsv41.v41_config(cfg)
+        self.token_map = dsv41.token_map_of(tokenizer, self.c)
+        sd = random_dsv41_state_dict(cfg, seed)
+        dsv41.build_parameter_tree(self, self.c, lambda name, shape, kind: sd[name].clone() if kind == "int64"
+                                   else torch.nn.Parameter(sd[name].clone()))
+        self._ns = SimpleNamespace
+
+    def forward(self, input_ids: torch.Tensor):
+        from kernels.models import dsv4, dsv41
+
+        logits = dsv41.forward_logits(self.c, lambda n: dsv4.lookup(self, n), input_ids.long().cpu(), self.token_map)
+        return self._ns(logits=logits)
