@@ -116,6 +116,11 @@ __all__ = [
     "decode_step",
     "reference_logits",
     "reference_logprobs",
+    "mla_nope_qkv",
+    "mla_nope_output",
+    "decoder_layer_apply",
+    "embed_stream",
+    "final_hidden",
 ]
 
 Getter = Callable[[str], Optional[torch.Tensor]]
@@ -606,3 +611,90 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, temperature: floa
                                           temperature)
         out[:, 1:] = lp.view(B, S - 1)
     return out
+
+
+# ------------------------------------------------------- per-token pieces for engines with own caches
+# Additive helpers for an engine that keeps the sequence state itself (the aligned vLLM class:
+# vllm_bridge/aligned/kimi_k3.py): the same ops as :func:`mla_nope_forward` /
+# :func:`decoder_layer_forward` / :func:`forward`, split where the engine's caches sit.
+
+
+def mla_nope_qkv(c: KimiConfig, get: Getter, x: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NoPE MLA q and the *expanded* per-head k, v of the tokens ``x [..., H]`` (post-norm); ``get``
+    relative to ``self_attn.``. Returns ``q, k [..., Hn, qk_nope + qk_rope]``, ``v [..., Hn, v_head_dim]``:
+    exactly the rows :func:`mla_nope_forward` attends with (its ops, row by row; ``kernels.linear`` is
+    invariant in the number of rows), so a paged per-head K/V cache of them gives its bits."""
+    lead = x.shape[:-1]
+    H, nope, rope, dv, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    lin = kernels.linear
+    if c.q_lora_rank is None:
+        q = lin(x, get("q_proj.weight"))
+    else:
+        q = lin(kernels.rms_norm(lin(x, get("q_a_proj.weight")), get("q_a_layernorm.weight"), c.mla_eps),
+                get("q_b_proj.weight"))
+    q = q.view(*lead, H, nope + rope)
+    ckv = lin(x, get("kv_a_proj_with_mqa.weight"))
+    latent = kernels.rms_norm(ckv[..., :r], get("kv_a_layernorm.weight"), c.mla_eps)
+    k_pe = ckv[..., r:]
+    kv = lin(latent, get("kv_b_proj.weight")).view(*lead, H, nope + dv)
+    k = torch.cat([kv[..., :nope], k_pe.unsqueeze(-2).expand(*lead, H, rope)], dim=-1)
+    v = kv[..., nope:].contiguous()
+    return q, k, v
+
+
+def mla_nope_output(c: KimiConfig, get: Getter, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The attention output ``o [..., Hn * v_head_dim]`` of the tokens ``x [..., H]`` -> K3's output
+    gate (if configured) and ``o_proj``, as :func:`mla_nope_forward`."""
+    g = get("g_proj.weight")
+    if c.mla_output_gate or g is not None:
+        o = (_f(o) * _sigmoid(kernels.linear(x, g))).to(o.dtype)
+    return kernels.linear(o, get("o_proj.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+
+def decoder_layer_apply(c: KimiConfig, get: Getter, layer: int, h: Any,
+                        mixer: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """:func:`decoder_layer_forward` with the token mixer supplied by the caller: ``mixer(x [B, T, H])
+    -> [B, T, H]`` (the engine's KDA / MLA over its own caches). Same ops, same order; returns the
+    new ``h`` (the residual stream, or the AttnRes dict)."""
+    def mlp(x):
+        B, T, D = x.shape
+        return _mlp_block(c, get, layer, x.reshape(B * T, D)).view(B, T, D)
+
+    if c.attn_res_block_size is None:
+        a = mixer(kernels.rms_norm(h, get("input_layernorm.weight"), c.rms_norm_eps))
+        h = h + a
+        h = h + mlp(kernels.rms_norm(h, get("post_attention_layernorm.weight"), c.rms_norm_eps))
+        return h
+
+    res = dict(h)
+    res["blocks"] = list(res["blocks"])
+    dt = res["dtype"]
+    if res["delta"] is not None:
+        res["p"] = (res["p"] + res["delta"]).to(dt)
+    write = layer % c.attn_res_block_size == 0
+    if write:
+        res["blocks"].append(res["p"])
+        res["p"] = None
+    a = mixer(_res_input(c, get, "self_attention", res, "input_layernorm.weight"))
+    res["p"] = a if write else (res["p"] + a).to(dt)
+    res["delta"] = mlp(_res_input(c, get, "mlp", res, "post_attention_layernorm.weight"))
+    return res
+
+
+def embed_stream(c: KimiConfig, h: torch.Tensor) -> Any:
+    """The stream :func:`decoder_layer_apply` takes for the embeddings ``h`` (the AttnRes dict, if any)."""
+    if c.attn_res_block_size is not None:
+        return {"blocks": [], "p": h, "delta": None, "dtype": h.dtype}
+    return h
+
+
+def final_hidden(c: KimiConfig, get: Getter, h: Any) -> torch.Tensor:
+    """After the last layer: the AttnRes output mix (if any), then ``model.norm``, as :func:`forward`
+    (``get``: the model getter, full names). The input of ``kernels.lm_head_logits``."""
+    if c.attn_res_block_size is not None:
+        res = h
+        p = (res["p"] + res["delta"]).to(res["dtype"])
+        h = attn_res_mix(res["blocks"] + [p], get("model.output_attn_res_norm.weight"),
+                         get("model.output_attn_res_proj.weight"), c.rms_norm_eps).to(res["dtype"])
+    return kernels.rms_norm(h, get("model.norm.weight"), c.rms_norm_eps)
