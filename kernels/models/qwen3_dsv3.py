@@ -295,14 +295,23 @@ def project(c: ArchConfig, w: Getter, x: torch.Tensor, name: str, *, k_segments:
     """``x @ w(name).T`` rounded to ``x.dtype``: one of the projections a block-FP8 checkpoint keeps in
     FP8 (attention projections, dense / shared / routed expert linears). ``c.fp8 == "blockwise"``:
     ``kernels.fp8_linear`` with the quantised weight ``w(name + FP8_SUFFIX)`` (activations quantised
-    per 1x128 group inside; its 128-K blocks are added in order, so ``k_segments`` does not apply);
-    otherwise ``kernels.linear(..., k_segments)``. ``bias``: the name of a bias added in fp32 after
+    per 1x128 group inside); a row-parallel caller (``k_segments > 1``) gets the FP8 row-parallel
+    form, ``kernels.fp8.row_parallel_k_segments(K)`` chains (8 when K % 1024 == 0, else the single
+    chain; docs/tp.md "FP8"); otherwise ``kernels.linear(..., k_segments)``. ``bias``: the name of a bias added in fp32 after
     the K reduction, before the one rounding (Qwen2's q/k/v)."""
     b = None if bias is None else w(bias)
     if c.fp8 == "blockwise":
         wq, ws = w(name + FP8_SUFFIX)
-        return kernels.fp8_linear(x, wq, ws, b, out_dtype=x.dtype)
+        segs = 1 if k_segments == 1 else fp8_row_segments(x.shape[-1])
+        return kernels.fp8_linear(x, wq, ws, b, out_dtype=x.dtype, k_segments=segs)
     return kernels.linear(x, w(name), b, k_segments=k_segments)
+
+
+def fp8_row_segments(K: int) -> int:
+    """K segments of a row-parallel FP8 projection (o_proj, dense-layer down_proj) of width ``K``."""
+    from kernels.fp8 import row_parallel_k_segments
+
+    return row_parallel_k_segments(K)
 
 
 def rope_tables(c: ArchConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,11 +388,16 @@ def attn_output(c: ArchConfig, w: Getter, o: torch.Tensor) -> torch.Tensor:
                    k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
 
 
-def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.", c: Optional[ArchConfig] = None) -> torch.Tensor:
+def dense_mlp(w: Getter, x: torch.Tensor, prefix: str = "mlp.", c: Optional[ArchConfig] = None, *,
+              row_parallel: bool = False) -> torch.Tensor:
+    """SwiGLU MLP. ``row_parallel``: this is a dense layer's MLP, whose down_proj is TP row-parallel
+    (only matters in FP8, which then uses the row-parallel FP8 form; routed experts are split whole
+    over ranks and shared experts replicated, so their FP8 down_proj keeps the single chain)."""
     if c is not None and c.fp8 == "blockwise":  # the same SwiGLU with the three linears in FP8
         g = project(c, w, x, prefix + "gate_proj.weight")
         u = project(c, w, x, prefix + "up_proj.weight")
-        return project(c, w, kernels.swiglu(g, u), prefix + "down_proj.weight")
+        return project(c, w, kernels.swiglu(g, u), prefix + "down_proj.weight",
+                       k_segments=kernels.ROW_PARALLEL_K_SEGMENTS if row_parallel else 1)
     return kernels.expert_mlp(
         x, w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight"), w(prefix + "down_proj.weight")
     )
@@ -448,7 +462,7 @@ def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor, ep: Optional[ExpertShard
 
 def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor, ep: Optional[ExpertShard] = None) -> torch.Tensor:
     if not c.moe_layers[layer]:
-        return dense_mlp(w, x, c=c)
+        return dense_mlp(w, x, c=c, row_parallel=True)
     return moe_qwen3(c, w, x, ep) if c.arch == "qwen3_moe" else moe_dsv3(c, w, x, ep)
 
 

@@ -129,6 +129,64 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, group, sp: bool,
     return _RowParallelAligned.apply(x, w, group, segments, sp)
 
 
+class _RowParallelFP8Aligned(torch.autograd.Function):
+    """Row-parallel blockwise-FP8 linear over a TP group (docs/tp.md "FP8"): the rank quantises its
+    master-weight shard per 128x128 block and its activation shard per 1x128 group (both the full
+    tensors' blocks: the shard width is a multiple of 128), computes the fp32 chains of its
+    segments / tp K segments (``kernels.dispatch.fp8_row_partials``), the chains are all-gathered and
+    added in rank (= segment) order, rounded once: bitwise ``kernels.fake_quant_linear(x_full,
+    W_full, k_segments=segments)``. Backward: straight-through (the dequantised weight shard for x,
+    ``g^T x`` for the master weight), as kernels.fp8_linear's; all-gather of g under SP."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, segments, sp):  # type: ignore[override]
+        from kernels.dispatch import fp8_row_partials
+
+        tp = dist.get_world_size(group)
+        wq, ws = kernels.quantize_weight_blockwise(w.detach())
+        ctx.save_for_backward(x, wq, ws)
+        ctx.group, ctx.sp, ctx.w_dtype = group, sp, w.dtype
+        mine = fp8_row_partials(x, wq, ws, segments // tp)  # [local, ..., N] fp32
+        local = mine.shape[0]
+        gathered = [torch.empty_like(mine) for _ in range(tp)]
+        dist.all_gather(gathered, mine.contiguous(), group=group)
+        allp = [g[i] for g in gathered for i in range(local)]  # rank order, then segment order
+        if sp:
+            me = dist.get_rank(group)
+            allp = [p.chunk(tp, dim=0)[me] for p in allp]
+        return kernels.finish_linear(kernels.sum_partials(allp), None, x.dtype).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        from kernels.fp8 import dequantize_weight_blockwise
+
+        x, wq, ws = ctx.saved_tensors
+        if ctx.sp:
+            g = all_gather_first_dim(g, ctx.group)
+        deq = dequantize_weight_blockwise(wq, ws)
+        g32 = g.to(torch.float32)
+        gx = torch.matmul(g32, deq).to(x.dtype)
+        gw = torch.matmul(g32.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]).to(torch.float32))
+        return gx, gw.to(ctx.w_dtype), None, None, None
+
+
+def fp8_row_parallel_linear(x: torch.Tensor, w: torch.Tensor, group, sp: bool) -> torch.Tensor:
+    """Aligned row-parallel FP8 linear (o_proj, dense fc2): ``kernels.fake_quant_linear(x_full, W_full,
+    k_segments=row_parallel_k_segments(K_full))`` bitwise; at tp > 1 K_full must be a multiple of
+    1024 (check_aligned_supported refuses other models first)."""
+    from kernels.fp8 import row_parallel_k_segments
+
+    tp = 1 if group is None else dist.get_world_size(group)
+    segments = row_parallel_k_segments(x.shape[-1] * tp)
+    if tp == 1:
+        return kernels.fake_quant_linear(x, w, None, out_dtype=x.dtype, k_segments=segments)
+    if segments % tp or segments == 1:
+        raise NotImplementedError(
+            f"model.fp8=blockwise at parallel.tp={tp}: a row-parallel K of {x.shape[-1] * tp} is not a multiple "
+            f"of {ROW_PARALLEL_K_SEGMENTS} x 128 = {ROW_PARALLEL_K_SEGMENTS * 128} (docs/tp.md \"FP8\")")
+    return _RowParallelFP8Aligned.apply(x, w, group, segments, sp)
+
+
 def _column_forward(self, input_, weight=None, runtime_gather_output=None):
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
@@ -179,28 +237,53 @@ def _make_linear_classes():
             return out, (self.bias if self.skip_bias_add else None)
 
     class AlignedFP8ColumnParallelLinear(AlignedColumnParallelLinear):
-        """Blockwise-FP8 fake-quant column linear (TP=1). Megatron names the fused layers it builds
-        (`tp_comm_buffer_name`): "qkv" is quantised as q / k / v, "fc1" as gate / up."""
+        """Blockwise-FP8 fake-quant column linear. Megatron names the fused layers it builds
+        (`tp_comm_buffer_name`): "qkv" is quantised as q / k / v, "fc1" as gate / up. At TP > 1
+        each rank quantises its own shard (rows per rank multiples of 128, so its 128x128 blocks
+        are the full tensors'; the activation is quantised per row over the unsplit K): bitwise the
+        TP=1 columns (check_aligned_supported checks the alignment)."""
 
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             self.rz_fp8_role = {"qkv": "qkv", "fc1": "gated"}.get(kw.get("tp_comm_buffer_name"), "plain")
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
-            if self.tp_group is not None and self.tp_group.size() > 1:
-                raise NotImplementedError("model.fp8=blockwise needs parallel.tp=1")
+            from megatron.core.tensor_parallel.mappings import (
+                copy_to_tensor_model_parallel_region,
+                gather_from_tensor_model_parallel_region,
+            )
+
+            tp = 1 if self.tp_group is None else self.tp_group.size()
+            if tp > 1 and not self.explicit_expert_comm:
+                if self.sequence_parallel:
+                    input_ = gather_seq(input_, self.tp_group)
+                else:
+                    input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
             bias = self.bias if not self.skip_bias_add else None
-            out = fp8_fused_linear(self, input_, self.weight if weight is None else weight, bias)
+            out = fp8_fused_linear(self, input_, self.weight if weight is None else weight, bias, tp=tp)
+            gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+            if gather and tp > 1:
+                out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
             return out, (self.bias if self.skip_bias_add else None)
 
     class AlignedFP8RowParallelLinear(AlignedRowParallelLinear):
-        """Blockwise-FP8 fake-quant row linear (TP=1; the FP8 GEMM adds its 128-K blocks in order)."""
+        """Blockwise-FP8 fake-quant row linear. o_proj and dense fc2: the row-parallel FP8 form
+        (`fp8_row_parallel_linear`: 8 per-segment chains when K % 1024 == 0, else the single chain,
+        TP=1 only); a shared expert's fc2 (`rz_fp8_single_chain`, set by AlignedSharedExpertMLP: the
+        engine replicates shared experts) the single chain, TP=1 only."""
 
         def forward(self, input_):
-            if self.tp_group is not None and self.tp_group.size() > 1 and not self.explicit_expert_comm:
-                raise NotImplementedError("model.fp8=blockwise needs parallel.tp=1")
+            tp = 1 if self.tp_group is None else self.tp_group.size()
             bias = self.bias if not self.skip_bias_add else None
-            out = kernels.fake_quant_linear(input_, self.weight, bias, out_dtype=input_.dtype)
+            if self.explicit_expert_comm or getattr(self, "rz_fp8_single_chain", False):
+                if tp > 1 and not self.explicit_expert_comm:
+                    raise NotImplementedError("model.fp8=blockwise: a TP-split shared expert needs parallel.tp=1")
+                out = kernels.fake_quant_linear(input_, self.weight, bias, out_dtype=input_.dtype)
+            else:
+                if bias is not None:
+                    raise NotImplementedError("aligned FP8 RowParallelLinear: fused bias is not supported")
+                out = fp8_row_parallel_linear(input_, self.weight, self.tp_group if tp > 1 else None,
+                                              self.sequence_parallel)
             return out, (self.bias if self.skip_bias_add else None)
 
     _FP8_LINEARS.update(col=AlignedFP8ColumnParallelLinear, row=AlignedFP8RowParallelLinear)
@@ -212,10 +295,11 @@ def _make_linear_classes():
 _FP8_LINEARS: dict = {}
 
 
-def fp8_fused_linear(mod, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+def fp8_fused_linear(mod, x: torch.Tensor, weight: torch.Tensor, bias=None, tp: int = 1) -> torch.Tensor:
     """Fake-quant FP8 linear of a possibly fused Megatron weight, quantised per checkpoint tensor
     (`mod.rz_fp8_role`): "plain" one tensor; "gated" [gate; up] halves; "qkv" Megatron's grouped
-    [q heads of g; k_g; v_g] rows split into HF q / k / v. Output in Megatron's column order."""
+    [q heads of g; k_g; v_g] rows split into HF q / k / v. Output in Megatron's column order.
+    ``weight``: this TP rank's shard (``tp`` ranks; the qkv shard holds num_query_groups / tp groups)."""
     role = getattr(mod, "rz_fp8_role", "plain")
     fq = lambda w, b=None: kernels.fake_quant_linear(x, w, b, out_dtype=x.dtype)  # noqa: E731
     if role == "plain":
@@ -226,8 +310,8 @@ def fp8_fused_linear(mod, x: torch.Tensor, weight: torch.Tensor, bias=None) -> t
         i = weight.shape[0] // 2
         return torch.cat([fq(weight[:i]), fq(weight[i:])], dim=-1)
     cfg = mod.config
-    ng, hn = cfg.num_query_groups, cfg.kv_channels
-    per = cfg.num_attention_heads // ng
+    ng, hn = cfg.num_query_groups // tp, cfg.kv_channels
+    per = cfg.num_attention_heads // cfg.num_query_groups
     H = weight.shape[-1]
     q, k, v = weight.view(ng, (per + 2) * hn, H).split([per * hn, hn, hn], dim=1)
     lead = x.shape[:-1]
@@ -416,6 +500,11 @@ def _make_mlp_classes():
             return aligned_mlp_forward(self, hidden_states), None
 
     class AlignedSharedExpertMLP(SharedExpertMLP):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            # FP8: the engine replicates shared experts, so their down_proj keeps the single chain
+            self.linear_fc2.rz_fp8_single_chain = True
+
         def forward(self, hidden_states):
             assert not self.use_shared_expert_gate, "aligned mode: shared expert gate unsupported"
             return aligned_mlp_forward(self, hidden_states)
@@ -632,20 +721,59 @@ def check_aligned_supported(model_cfg, parallel) -> None:
     if p.pp != 1:
         raise NotImplementedError("aligned mode: pipeline parallelism is not supported")
     if getattr(m, "fp8", "none") != "none" and p.tp != 1:
-        raise NotImplementedError(
-            f"model.fp8={m.fp8} needs parallel.tp=1 (got tp={p.tp}). The FP8 GEMM adds its 128-wide K "
-            "blocks one after another into one fp32 accumulator (acc = acc + d_kb * scale_kb, as the "
-            "engine's kernel does), so a row-parallel o_proj / down_proj cannot be cut into per-rank "
-            "partials that add up to the same bits; and column shards of fused QKV / gate_up would "
-            "have to fall on 128-row block boundaries of each checkpoint tensor. Use parallel.tp=1 "
-            "and scale the learner with parallel.dp and parallel.ep (expert parallel is supported), "
-            "or set model.fp8=none.")
+        bad = fp8_tp_problems(m, p.tp)
+        if bad:
+            raise NotImplementedError(fp8_tp_message(m, p.tp, bad[0]))
     for key, K in row_parallel_ks(m).items():
         if K % ROW_PARALLEL_K_SEGMENTS:
             raise ValueError(
                 f"aligned mode: row-parallel K {key} = {K} is not a multiple of kernels.ROW_PARALLEL_K_SEGMENTS="
                 f"{ROW_PARALLEL_K_SEGMENTS} (the fixed K segmentation of every o_proj / down_proj, docs/tp.md): "
                 f"make {key} (recipe model section) a multiple of {ROW_PARALLEL_K_SEGMENTS}")
+
+
+FP8_BLOCK = 128
+
+
+def fp8_tp_problems(m, tp: int) -> list[tuple[str, str]]:
+    """(recipe key, what fails) that keep model config ``m`` with model.fp8=blockwise from running
+    the learner at parallel.tp=tp (docs/tp.md "FP8"); [] when tp == 1 or it is supported.
+
+    Row-parallel FP8 layers (o_proj, dense-layer down_proj) need K % (8 x 128) == 0 (8 segments of
+    whole 128-wide K blocks), column-parallel FP8 shards (q / k / v, dense gate / up) rows per rank
+    that are multiples of 128 (the rank's 128x128 blocks are then the full tensor's). Learner TP > 1
+    in FP8 is implemented for qwen3_moe (MLA's projections and DeepSeek's TP-split shared experts
+    are not)."""
+    if tp == 1:
+        return []
+    seg = ROW_PARALLEL_K_SEGMENTS * FP8_BLOCK
+    out: list[tuple[str, str]] = []
+    if m.arch != "qwen3_moe":
+        out.append(("model.arch", f"is {m.arch}: learner FP8 at parallel.tp > 1 is implemented for qwen3_moe only"))
+        return out
+    dense = not m.num_experts or m.first_k_dense
+    rows = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim}
+    if dense:
+        rows["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    for key, K in rows.items():  # the row-parallel K of o_proj / dense down_proj
+        if K % seg:
+            out.append((key, f"= {K} (a row-parallel K) must be a multiple of {ROW_PARALLEL_K_SEGMENTS} x "
+                             f"{FP8_BLOCK} = {seg} ({ROW_PARALLEL_K_SEGMENTS} segments of whole 128-wide K blocks)"))
+    cols = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim,
+            "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim}
+    if dense:
+        cols["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    for key, n in cols.items():  # column-parallel rows per rank
+        if n % tp or (n // tp) % FP8_BLOCK:
+            out.append((key, f"= {n}: its {n // tp} rows per rank (a column-parallel FP8 shard) must be a "
+                             f"multiple of the {FP8_BLOCK}-row weight block"))
+    return out
+
+
+def fp8_tp_message(m, tp: int, problem: tuple[str, str]) -> str:
+    key, why = problem
+    return (f"model.fp8={m.fp8} with parallel.tp={tp} needs parallel.tp=1 for this model: {key} {why} "
+            "(docs/tp.md \"FP8\"); use parallel.tp=1 with dp/ep, or model.fp8=none")
 
 
 def row_parallel_ks(m) -> dict:

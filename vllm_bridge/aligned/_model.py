@@ -13,9 +13,15 @@ full-sequence reference runs); only the attention core differs: q/k/v go through
 paged cache and runs ``kernels.attention`` per sequence.
 
 Tensor parallelism (classes with ``TP_SHARDED = True``, today Qwen3-MoE and DeepSeek-V3, when vLLM's
-tensor_parallel_size > 1, without blockwise FP8): each rank holds a shard and every logprob stays
-bitwise the TP=1 one. The other classes (Qwen2, DeepSeek-V4) and blockwise-FP8 models are replicated
-on every TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
+tensor_parallel_size > 1, blockwise FP8 included): each rank holds a shard and every logprob stays
+bitwise the TP=1 one. The other classes (Qwen2, DeepSeek-V4) are replicated on every TP worker (each
+computes the whole model: also bitwise TP=1, no memory saved).
+Blockwise FP8 (docs/tp.md "FP8"): the FP8 weight cache quantises each rank's shard (its 128x128 blocks
+are the full tensor's: ``_tp_config`` requires rows per rank of column shards and the K per rank of
+row-parallel shards to be multiples of 128); o_proj and dense down_proj use the row-parallel FP8 form
+(8 per-segment fp32 chains, ``kernels.dispatch.fp8_row_partials``, all-gathered and added in
+segment order; needs K % 1024 == 0, else refused); routed experts (split whole) and shared experts
+(replicated) keep the single chain.
 * attention: query heads split in contiguous blocks (each head is computed as at TP=1): Qwen3 q/k/v
   by heads; DeepSeek-V3 MLA: the latent projections (q_a / kv_a_proj_with_mqa and their norms)
   replicated, q_b_proj (q_proj) and kv_b_proj column-parallel by heads (see deepseek_v3.py); the
@@ -71,6 +77,36 @@ import kernels
 from vllm_bridge.vllm_compat import aligned_attention_backend
 
 from kernels.models import qwen3_dsv3 as ref
+
+
+def fp8_tp_problems(c: ref.ArchConfig, tp: int) -> list[tuple[str, str]]:
+    """(config key, what fails) that keep a blockwise-FP8 model from sharding over tp ranks
+    bitwise (docs/tp.md "FP8"): the row-parallel K (o_proj; a dense layer's down_proj) must be a
+    multiple of 8 x 128 (8 segments of whole 128-wide blocks), every column shard's rows per rank
+    (q / k / v or MLA's q_b / kv_b, a dense layer's gate / up) a multiple of the 128-row block."""
+    if tp == 1:
+        return []
+    from kernels.fp8 import BLOCK as B
+
+    S = kernels.ROW_PARALLEL_K_SEGMENTS
+    vdim = "v_head_dim" if c.arch == "deepseek_v3" else "head_dim"
+    rows = {f"num_attention_heads * {vdim}": c.num_heads * c.attn_v_dim}
+    dense = not all(c.moe_layers)
+    if dense:
+        rows["intermediate_size"] = c.intermediate_size
+    out = [(k, f"= {K} (a row-parallel K) is not a multiple of {S} x {B} = {S * B}")
+           for k, K in rows.items() if K % (S * B)]
+    if c.arch == "deepseek_v3":
+        cols = {"num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)": c.num_heads * c.qk_head_dim,
+                "num_attention_heads * (qk_nope_head_dim + v_head_dim)": c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)}
+    else:
+        cols = {"num_attention_heads * head_dim": c.num_heads * c.head_dim,
+                "num_key_value_heads * head_dim": c.num_kv_heads * c.head_dim}
+    if dense:
+        cols["intermediate_size"] = c.intermediate_size
+    out += [(k, f"= {n} gives {n // tp} rows per rank, not a multiple of the {B}-row weight block")
+            for k, n in cols.items() if (n // tp) % B]
+    return out
 
 
 def _tp_info() -> tuple[int, int]:
@@ -181,9 +217,8 @@ class RZAlignedForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.rz_dtype = dtype
         self.rz_tp, self.rz_rank = _tp_info()
-        # Blockwise FP8 stays replicated at TP > 1 (as before): the FP8 GEMM adds its 128-wide K
-        # blocks one after another into one accumulator, so a row-parallel split has other bits.
-        self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1 and c.fp8 == "none"
+        # Blockwise FP8 shards too (docs/tp.md "FP8": row-parallel layers use 8 per-segment chains)
+        self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1
         # full HF parameter name -> (dim, start, length): the slice of the full tensor this rank holds
         self.rz_shards: dict[str, tuple[int, int, int]] = {}
         # rz_c: the config the per-layer functions see (the rank's local head counts when sharded)
@@ -280,6 +315,10 @@ class RZAlignedForCausalLM(nn.Module):
                 raise ValueError(
                     f"{name}: {what}={k} (a row-parallel K) is not divisible by ROW_PARALLEL_K_SEGMENTS="
                     f"{seg}: pick a model whose {what} is a multiple of {seg}, or run tensor_parallel_size=1")
+        if c.fp8 == "blockwise":
+            for what, why in fp8_tp_problems(c, tp):
+                raise ValueError(f"{name}: rz_fp8=blockwise at tensor_parallel_size={tp}: {what} {why} "
+                                 "(docs/tp.md \"FP8\"); run tensor_parallel_size=1 or rz_fp8=none")
         kv = c.num_heads if c.arch == "deepseek_v3" else c.num_kv_heads  # MLA: K/V per query head
         return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv // tp)
 
@@ -288,28 +327,38 @@ class RZAlignedForCausalLM(nn.Module):
         n = full // self.rz_tp
         self.rz_shards[name] = (dim, self.rz_rank * n, n)
 
-    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Row-parallel linear over the TP group: x [T, K/tp] and weight [N, K/tp] are this rank's K
+    def _row_parallel(self, x: torch.Tensor, w, name: str) -> torch.Tensor:
+        """Row-parallel linear over the TP group: x [T, K/tp] and ``w(name)`` [N, K/tp] are this rank's K
         block. Bitwise ``kernels.linear(x_full, W_full, k_segments=ROW_PARALLEL_K_SEGMENTS)``
-        (the learner's megatron_rz.learner.aligned_spec.row_parallel_linear, vLLM's collectives)."""
+        (the learner's megatron_rz.learner.aligned_spec.row_parallel_linear, vLLM's collectives);
+        blockwise FP8: the rank's quantised shard ``w(name + FP8_SUFFIX)`` and its segments' FP8
+        chains, bitwise ``kernels.fp8_linear(x_full, *quantised W_full, k_segments=8)`` (the learner's
+        aligned_spec.fp8_row_parallel_linear)."""
         from vllm.distributed import get_tp_group
 
         local = kernels.ROW_PARALLEL_K_SEGMENTS // self.rz_tp
-        step = x.shape[-1] // local
-        parts = [kernels.linear_partial(x[..., j * step:(j + 1) * step], weight[:, j * step:(j + 1) * step])
-                 for j in range(local)]
-        allp = get_tp_group().all_gather(torch.stack(parts, dim=0).contiguous(), dim=0)  # rank order
+        if self.c.fp8 == "blockwise":
+            from kernels.dispatch import fp8_row_partials
+
+            wq, ws = w(name + ref.FP8_SUFFIX)
+            mine = fp8_row_partials(x, wq, ws, local)
+        else:
+            weight = w(name)
+            step = x.shape[-1] // local
+            mine = torch.stack([kernels.linear_partial(x[..., j * step:(j + 1) * step],
+                                                       weight[:, j * step:(j + 1) * step]) for j in range(local)], dim=0)
+        allp = get_tp_group().all_gather(mine.contiguous(), dim=0)  # rank order
         return kernels.finish_linear(kernels.sum_partials(list(allp.unbind(0))), None, x.dtype)
 
     def _tp_o_proj(self, w, o: torch.Tensor) -> torch.Tensor:
-        return self._row_parallel(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"))
+        return self._row_parallel(o.reshape(o.shape[0], -1), w, "self_attn.o_proj.weight")
 
     def _tp_mlp(self, w, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.rz_c.moe_layers[i]:
             return ref.mlp_forward(self.rz_c, w, i, x, ep=self.rz_ep)
-        g = kernels.linear(x, w("mlp.gate_proj.weight"))
-        u = kernels.linear(x, w("mlp.up_proj.weight"))
-        return self._row_parallel(kernels.swiglu(g, u), w("mlp.down_proj.weight"))
+        g = ref.project(self.rz_c, w, x, "mlp.gate_proj.weight")  # kernels.linear, or FP8 on the shard
+        u = ref.project(self.rz_c, w, x, "mlp.up_proj.weight")
+        return self._row_parallel(kernels.swiglu(g, u), w, "mlp.down_proj.weight")
 
     # ---- per-architecture ------------------------------------------------------------------------
     def _build_attention(self, i: int, dtype, prefix: str) -> nn.Module:
