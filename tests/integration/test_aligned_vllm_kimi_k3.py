@@ -4,16 +4,22 @@ One module-scoped engine per model (fp32, enforce_eager, processed logprobs) on 
 checkpoint in the Kimi checkpoint schema (``model_type: kimi_linear``; 4 layers KDA, MLA, KDA, MLA;
 dense MLP then 3 MoE layers, 8 experts in 2 groups, a shared expert):
 
-* ``kimi_linear``: Kimi-Linear (KDA with the low-rank output gate, q_proj MLA, silu MoE);
-* ``k3``: every K3 option (KDA full-rank gate + gate_lower_bound, q-LoRA MLA with the sigmoid
-  output gate, latent MoE with its norm, SiTU, block attention residuals).
+* ``k3`` (default): every K3 option (KDA full-rank gate + gate_lower_bound, q-LoRA MLA with the
+  sigmoid output gate, latent MoE with its norm, SiTU, block attention residuals);
+* ``kimi_linear`` (with ``RZ_TEST_KIMI_LINEAR=1``): Kimi-Linear (KDA with the low-rank output gate,
+  q_proj MLA, silu MoE).
 
 Checks (each ``torch.equal`` on fp32 logprobs against ``kernels.models.kimi_k3.reference_logprobs``
 on prompt + response): prompts of 2..45 tokens with a 32-token step budget (prompts > 32 tokens are
 prefilled in chunks, the KDA state carried in vLLM's mamba state cache between steps) mixed with
 decodes of other sequences, at T=1 and T=0.7; the same prompts one request at a time; the batched
 responses re-scored as prompts (prompt_logprobs: one prefill, chunked where long) equal the
-logprobs reported while they were decoded in the batch.
+logprobs reported while they were decoded in the batch. The KDA layers count the requests they
+computed by kind, and the test checks that prompt chunks did continue from the cached state.
+
+Engine: ``VLLM_MLA_DISABLE=1`` while it starts (as ``vllm_bridge/engine.py`` for the aligned MLA
+classes; with vLLM's MLA bookkeeping on, vLLM-CPU turns chunked prefill off), prefix caching off,
+``skip_tokenizer_init`` (token ids in and out).
 
 Run: .venv/bin/python -m pytest tests/integration/test_aligned_vllm_kimi_k3.py -x -q -s
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -42,6 +49,7 @@ _LENS = [2, 5, 9, 13, 19, 25, 31, 34, 40, 45]
 PROMPTS = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(300 + i)).tolist()
            for i, n in enumerate(_LENS)]
 H, V, L = 64, 128, 4
+PREFIX_KW = {} if os.environ.get("RZ_KIMI_PREFIX") == "default" else {"enable_prefix_caching": False}
 
 _COMMON = {
     "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "torch_dtype": "float32",
@@ -167,10 +175,30 @@ def _start(ckpt: Path):
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "vllm_bridge.aligned.kimi_k3:RZAlignedKimiK3ForCausalLM")
     t0 = time.perf_counter()
-    llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              logprobs_mode="processed_logprobs", max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS,
-              max_num_batched_tokens=BUDGET, enable_chunked_prefill=True, enable_prefix_caching=False,
-              kv_cache_memory_bytes=64 << 20, seed=0, hf_overrides={"architectures": [ARCH]})
+    # VLLM_MLA_DISABLE=1 (as vllm_bridge/engine.py sets it for the aligned MLA classes): the class
+    # caches expanded per-head K/V, and with vLLM's MLA bookkeeping on, vLLM-CPU turns chunked
+    # prefill off (platforms/cpu.py: "MLA is enabled on a non-GPU platform"). Set only while the
+    # engine starts (its processes inherit it).
+    # VLLM_ALLOW_INSECURE_SERIALIZATION=1: lets the test read the KDA layers' request counters with
+    # collective_rpc(callable) (_kda_counts); test-only.
+    env = {"VLLM_MLA_DISABLE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                  logprobs_mode="processed_logprobs", max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS,
+                  max_num_batched_tokens=BUDGET, enable_chunked_prefill=True, **PREFIX_KW,
+                  kv_cache_memory_bytes=64 << 20, seed=0, hf_overrides={"architectures": [ARCH]})
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    sc = llm.llm_engine.vllm_config.scheduler_config
+    # prompts longer than BUDGET must be prefilled in several steps
+    assert sc.enable_chunked_prefill and sc.max_num_batched_tokens == BUDGET, (
+        sc.enable_chunked_prefill, sc.max_num_batched_tokens)
     return llm, time.perf_counter() - t0
 
 
@@ -209,7 +237,13 @@ def _compare(samples, refs) -> dict:
             "max_abs_dlogp": float((got - want).abs().max())}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# The K3 engine runs by default (every K3 option plus the shared KDA / MLA / MoE path, ~60 s with
+# start-up); RZ_TEST_KIMI_LINEAR=1 adds the plain Kimi-Linear engine (low-rank KDA gate, q_proj
+# MLA, silu; ~45 s more).
+_ENGINES = ["k3"] + (["kimi_linear"] if os.environ.get("RZ_TEST_KIMI_LINEAR") == "1" else [])
+
+
+@pytest.fixture(scope="module", params=_ENGINES)
 def engine(request, tmp_path_factory):
     name = request.param
     cfg = CONFIGS[name]
@@ -238,6 +272,28 @@ def test_batched_parity(engine, temperature):
     assert stats["bitwise_equal"] == stats["tokens"], stats
     if temperature == 1.0:
         engine["batched_T1"] = samples
+        counts = _kda_counts(engine["llm"])
+        print(f"[aligned kimi {engine['name']}] KDA layer 0 requests by kind: {counts}")
+        assert counts["chunk_from_state"] > 0  # prompts > BUDGET continued from the cached state
+        assert counts["decode"] > 0
+
+
+def _kda_counts(llm) -> dict:
+    def counts(worker):
+        from vllm_bridge.aligned.kimi_k3 import RZKDALayer
+
+        model = worker.model_runner.model
+        return next(dict(m.rz_counts) for m in model.modules() if isinstance(m, RZKDALayer))
+
+    old = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        return llm.collective_rpc(counts)[0]
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+        else:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = old
 
 
 def test_one_at_a_time_and_rescore(engine):

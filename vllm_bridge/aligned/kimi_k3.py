@@ -166,6 +166,9 @@ class RZKDALayer(nn.Module, MambaBase):
         self.o_norm = Params(dtype, weight=(D,))
         self.o_proj = Params(dtype, weight=(H, P))
         self.kv_cache = ()
+        # requests computed so far, by kind (a first chunk / a later prompt chunk from the cached
+        # state / a decode step): read by tests to see that chunked prefill really happened
+        self.rz_counts = {"first_chunk": 0, "chunk_from_state": 0, "decode": 0}
         sfc = vllm_config.compilation_config.static_forward_context
         if prefix in sfc:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -211,11 +214,13 @@ class RZKDALayer(nn.Module, MambaBase):
                 dec_slot.append(s)
                 continue
             st = {"conv": conv[s:s + 1], "recurrent": rec[s:s + 1]} if has_state else None
+            self.rz_counts["chunk_from_state" if has_state else "first_chunk"] += 1
             o, ns = K.kda_layer_forward(x[:, a:b], get, kc, st, chunk_size=PREFILL_CHUNK)
             out[:, a:b] = o
             conv[s] = ns["conv"][0].to(conv.dtype)
             rec[s] = ns["recurrent"][0]
         if dec_tok:
+            self.rz_counts["decode"] += len(dec_tok)
             tok = torch.tensor(dec_tok, dtype=torch.long)
             sl = torch.tensor(dec_slot, dtype=torch.long)
             st = {"conv": conv[sl], "recurrent": rec[sl]}
