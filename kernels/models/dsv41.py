@@ -53,6 +53,11 @@ NOT reproduced (refused by :func:`v41_config` with the reason):
 * vLLM skips an engram on layer 0 (its first-layer branch never calls it); layer 0 in
   ``engram_layer_ids`` is refused here rather than guessed.
 
+Taken over from V4 by reading, not compared numerically (vLLM's V4.1 attention and MoE run on CUDA
+only): the sliding-window attention of ``compress_ratios`` 0 layers (same projections, q/kv norms,
+interleaved RoPE at ``rope_theta``, per-head sinks, grouped ``wo_a``) and the MoE (vLLM's V4.1 MoE
+subclasses its V4 MoE).
+
 SWA bounded replay (``decoder_replay_layers.py``) runs the layers past the last KV-source layer on
 each request's last ``sliding_window`` rows only: an execution optimisation that leaves the numbers
 of the rows it keeps as they are; the aligned classes compute every row.
