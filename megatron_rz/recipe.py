@@ -484,8 +484,6 @@ class Recipe(_Strict):
                 f"model.fp8={m.fp8} runs in the aligned model classes on both sides (the stock vLLM and "
                 "Megatron paths have no matching FP8 linears): use mode=aligned, or model.fp8=none")
         if m.fp8 != "none" and p.tp > 1:  # the row-parallel FP8 contract's shape rules (docs/tp.md "FP8")
-            from megatron_rz.learner.aligned_spec import fp8_tp_message, fp8_tp_problems
-
             bad = fp8_tp_problems(m, p.tp)
             if bad:
                 raise ValueError(fp8_tp_message(m, p.tp, bad[0]))
@@ -682,3 +680,51 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(recipe.model_dump(), sort_keys=False))
+
+
+# ---------------------------------------------------------------- blockwise FP8 at TP > 1 (learner)
+
+# kernels.ROW_PARALLEL_K_SEGMENTS and kernels.fp8.BLOCK (tests/unit/test_kernels_fp8.py checks they agree)
+_ROW_PARALLEL_K_SEGMENTS = 8
+_FP8_BLOCK = 128
+
+
+def fp8_tp_problems(m, tp: int) -> list[tuple[str, str]]:
+    """(recipe key, what fails) that keep model config ``m`` with model.fp8=blockwise from running
+    the learner at parallel.tp=tp (docs/tp.md "FP8"); [] when tp == 1 or it is supported.
+
+    Row-parallel FP8 layers (o_proj, dense-layer down_proj) need K % (8 x 128) == 0 (8 segments of
+    whole 128-wide K blocks), column-parallel FP8 shards (q / k / v, dense gate / up) rows per rank
+    that are multiples of 128 (the rank's 128x128 blocks are then the full tensor's). Learner TP > 1
+    in FP8 is implemented for qwen3_moe (MLA's projections and DeepSeek's TP-split shared experts
+    are not)."""
+    if tp == 1:
+        return []
+    seg = _ROW_PARALLEL_K_SEGMENTS * _FP8_BLOCK
+    out: list[tuple[str, str]] = []
+    if m.arch != "qwen3_moe":
+        out.append(("model.arch", f"is {m.arch}: learner FP8 at parallel.tp > 1 is implemented for qwen3_moe only"))
+        return out
+    dense = not m.num_experts or m.first_k_dense
+    rows = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim}
+    if dense:
+        rows["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    for key, K in rows.items():  # the row-parallel K of o_proj / dense down_proj
+        if K % seg:
+            out.append((key, f"= {K} (a row-parallel K) must be a multiple of {_ROW_PARALLEL_K_SEGMENTS} x "
+                             f"{_FP8_BLOCK} = {seg} ({_ROW_PARALLEL_K_SEGMENTS} segments of whole 128-wide K blocks)"))
+    cols = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim,
+            "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim}
+    if dense:
+        cols["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    for key, n in cols.items():  # column-parallel rows per rank
+        if n % tp or (n // tp) % _FP8_BLOCK:
+            out.append((key, f"= {n}: its {n // tp} rows per rank (a column-parallel FP8 shard) must be a "
+                             f"multiple of the {_FP8_BLOCK}-row weight block"))
+    return out
+
+
+def fp8_tp_message(m, tp: int, problem: tuple[str, str]) -> str:
+    key, why = problem
+    return (f"model.fp8={m.fp8} with parallel.tp={tp} needs parallel.tp=1 for this model: {key} {why} "
+            "(docs/tp.md \"FP8\"); use parallel.tp=1 with dp/ep, or model.fp8=none")

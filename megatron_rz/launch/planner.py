@@ -26,13 +26,16 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
     + plan.overhead_gb (CUDA context, NCCL buffers, fragmentation)
   rollout, one engine over rollout.tensor_parallel_size GPUs (engine_tp):
     weights    mode=fast (stock vLLM, everything sharded): total params * b / engine_tp
-               mode=aligned, TP-sharded classes (Qwen3-MoE / Qwen3 dense and DeepSeek-V3 without
-               blockwise FP8; vllm_bridge/aligned/_model.py): (replicated + sharded / engine_tp) * b,
+               mode=aligned, TP-sharded classes (Qwen3-MoE / Qwen3 dense and DeepSeek-V3, blockwise
+               FP8 included; vllm_bridge/aligned/_model.py): (replicated + sharded / engine_tp) * b,
                sharded = q/k/v/o (Qwen3) or q_b_proj (q_proj) / kv_b_proj / o_proj (DeepSeek-V3 MLA),
                dense MLPs and routed experts; replicated = embeddings, lm_head, norms, router, shared
                experts and DeepSeek-V3's latent projections q_a_proj / kv_a_proj_with_mqa;
-               mode=aligned otherwise (Qwen2, DeepSeek-V4, model.fp8=blockwise): the whole model on
-               every TP worker (engine_tp counts as 1)
+               mode=aligned otherwise (Qwen2, DeepSeek-V4): the whole model on every TP worker
+               (engine_tp counts as 1)
+    fp8_weights  model.fp8=blockwise (aligned): the FP8 linears' e4m3 copies next to the model-dtype
+               parameters, (1 + 4 / 128^2) bytes per element (scale per 128x128 block), the TP-split
+               ones / engine_tp, shared experts and MLA's latent projections whole
     KV cache   rollout.kv_cache_gb (vLLM kv_cache_memory_bytes, per GPU); it must hold one
                sequence of seq_len tokens, per token and GPU:
                  GQA   2 * ceil(kv_heads / engine_tp) * head_dim * b * layers (engine_tp 1 if replicated)
@@ -44,7 +47,8 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
     + plan.overhead_gb
   An aligned TP-sharded engine needs rollout.tensor_parallel_size dividing
   kernels.ROW_PARALLEL_K_SEGMENTS (8) and every split count divisible by it (attention heads, Qwen3's
-  KV heads, routed experts, dense intermediate size; the row-parallel K of o_proj / down_proj by 8),
+  KV heads, routed experts, dense intermediate size; the row-parallel K of o_proj / down_proj by 8;
+  with blockwise FP8 that K by 8 x 128 and every column shard's rows per rank by 128),
   the checks of the class's ``_tp_config``: rollout_tp_errors() names the key and the fix.
 CPU-only components (gpus_per_node: 0) are planned and printed, not checked against a budget.
 """
@@ -215,10 +219,57 @@ def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int, aligned: bool = False)
 
 
 def aligned_tp_sharded(recipe: Recipe) -> bool:
-    """Whether the rollout's aligned vLLM class shards over tensor parallelism (``TP_SHARDED`` and no
-    blockwise FP8: vllm_bridge/aligned/qwen3_moe.py, deepseek_v3.py); False in mode=fast."""
+    """Whether the rollout's aligned vLLM class shards over tensor parallelism (``TP_SHARDED``, blockwise
+    FP8 included: vllm_bridge/aligned/qwen3_moe.py, deepseek_v3.py); False in mode=fast."""
     m = recipe.model
-    return recipe.mode == "aligned" and m.arch in ("qwen3_moe", "deepseek_v3") and m.fp8 == "none"
+    return recipe.mode == "aligned" and m.arch in ("qwen3_moe", "deepseek_v3")
+
+
+def _fp8_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
+    """model.fp8=blockwise: the shape rules of the row-parallel FP8 contract at engine TP=tp, as the
+    engine's ``_model.fp8_tp_problems`` checks them (docs/tp.md "FP8")."""
+    if m.fp8 == "none" or tp == 1:
+        return []
+    from kernels import ROW_PARALLEL_K_SEGMENTS as seg
+
+    B = 128
+    dsv3 = m.arch == "deepseek_v3"
+    vkey = "v_head_dim" if dsv3 else "head_dim"
+    rows = {f"model.num_attention_heads * model.{vkey}": m.num_attention_heads * (m.v_head_dim if dsv3 else m.head_dim)}
+    if _has_dense_layers(m):
+        rows["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    out = [(k, f"{k}={K} (a row-parallel FP8 K) is not a multiple of {seg} x {B} = {seg * B}")
+           for k, K in rows.items() if K % (seg * B)]
+    if dsv3:
+        cols = {"model.num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)":
+                m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+                "model.num_attention_heads * (qk_nope_head_dim + v_head_dim)":
+                m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)}
+    else:
+        cols = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim,
+                "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim}
+    if _has_dense_layers(m):
+        cols["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+    out += [(k, f"{k}={n} gives {n // tp} FP8 rows per rank, not a multiple of the {B}-row weight block")
+            for k, n in cols.items() if (n // tp) % B]
+    return out
+
+
+def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int) -> float:
+    """Weight elements per engine worker that the aligned class also keeps as e4m3 + 128x128 fp32
+    scales (model.fp8=blockwise: every attention projection and dense / shared / routed expert linear,
+    quantised once per load next to the model-dtype parameters): the TP-split ones (``split``, all of
+    them FP8 linears) over ``shard`` ranks, the replicated ones (shared experts, MLA's q_a / kv_a)
+    whole."""
+    if m.fp8 == "none":
+        return 0.0
+    h = m.hidden_size
+    rep = count_params(m).shared_experts
+    if m.arch == "deepseek_v3":
+        lat = (h * m.q_lora_rank if m.q_lora_rank else 0) + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+        rep += lat * m.num_layers
+    tp_split = split if split else rollout_sharded_params(m)
+    return tp_split / max(1, shard) + rep
 
 
 def _has_dense_layers(m: ModelConfig) -> bool:
@@ -254,6 +305,7 @@ def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
     for key, k in ks.items():
         if k % seg:
             out.append((key, f"{key}={k} (a row-parallel K) is not divisible by the {seg} row-parallel K segments"))
+    out += _fp8_tp_problems(m, tp)
     return out
 
 
@@ -404,10 +456,10 @@ def make_plan(recipe: Recipe) -> Plan:
 
     # ---- rollout memory per GPU
     # Stock vLLM (fast) shards everything over the engine's TP workers. The aligned classes
-    # (vllm_bridge.aligned) with TP_SHARDED (Qwen3-MoE, DeepSeek-V3; not with blockwise FP8) shard
+    # (vllm_bridge.aligned) with TP_SHARDED (Qwen3-MoE, DeepSeek-V3; blockwise FP8 too) shard
     # attention heads (and the KV cache), dense MLPs and routed experts, and replicate embeddings,
     # lm_head, norms, router, shared experts and MLA's latent projections; the others (Qwen2,
-    # DeepSeek-V4, FP8) hold the whole model on every worker.
+    # DeepSeek-V4) hold the whole model on every worker. FP8: the e4m3 copies come on top.
     sharded_aligned = aligned_tp_sharded(recipe)
     if recipe.mode == "fast":
         shard, split = etp, params.total
@@ -417,8 +469,8 @@ def make_plan(recipe: Recipe) -> Plan:
     else:
         shard, split = 1, 0
         if etp > 1:
-            why = "blockwise FP8" if m.fp8 != "none" else m.arch
-            notes.append(f"mode=aligned: the aligned {m.arch}{' FP8' if m.fp8 != 'none' else ''} vLLM class keeps "
+            why = m.arch
+            notes.append(f"mode=aligned: the aligned {m.arch} vLLM class keeps "
                          f"the whole model and KV cache on each of the {etp} tensor-parallel workers ({why} is not "
                          "sharded yet), so rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
     per_tok, per_seq = _kv_per_token_and_seq(m, shard, aligned=recipe.mode == "aligned")
@@ -426,6 +478,8 @@ def make_plan(recipe: Recipe) -> Plan:
     kv = r.kv_cache_gb * GiB
     seqs_fit = kv / seq_bytes if seq_bytes else float("inf")
     rollout_mem = {"weights": ((params.total - split) + split / shard) * b / GiB, "kv_cache": r.kv_cache_gb}
+    if m.fp8 != "none" and recipe.mode == "aligned":  # e4m3 copies (1 byte) + one fp32 scale per 128x128
+        rollout_mem["fp8_weights"] = rollout_fp8_cache_params(m, shard, split) * (1 + 4 / 128 ** 2) / GiB
     wanted = min(r.max_num_seqs, math.ceil(r.prompts_per_step * r.samples_per_prompt / max(1, r.num_engines)))
     if seqs_fit < 1:
         errors.append(

@@ -208,3 +208,11 @@ def test_fp8_column_shards_and_activation_groups_are_tp_exact():
         n = 512 // t
         cols = [kernels.fake_quant_linear(x, w[r * n:(r + 1) * n], out_dtype=torch.bfloat16) for r in range(t)]
         assert torch.equal(_bits(torch.cat(cols, dim=-1)), _bits(full))
+
+
+def test_recipe_fp8_constants_agree_with_kernels():
+    """megatron_rz.recipe checks the FP8 TP shape rules without importing kernels (layer 0)."""
+    from megatron_rz import recipe
+
+    assert recipe._ROW_PARALLEL_K_SEGMENTS == kernels.ROW_PARALLEL_K_SEGMENTS
+    assert recipe._FP8_BLOCK == F8.BLOCK

@@ -49,13 +49,29 @@ def test_aligned_deepseek_v3_at_tp8_does_not_fit_an_h200():
     assert "the weights and overhead alone exceed it" in msg and "mode=fast" in msg, msg
 
 
-def test_fp8_aligned_stays_replicated():
+def test_fp8_aligned_shards_and_counts_fp8_copies():
+    """model.fp8=blockwise shards like the unquantised model (docs/tp.md "FP8"); the e4m3 copies of the
+    FP8 linears (1 byte + one fp32 scale per 128x128 block) are counted on top, 1/tp of the split
+    ones per worker; a model whose row-parallel K is not a multiple of 1024 is refused in one line."""
+    from megatron_rz.launch.planner import rollout_fp8_cache_params
+
     r = _recipe("qwen3_30b_a3b", "model.fp8=blockwise", "parallel.tp=1", "parallel.dp=8",
                 "rollout.tensor_parallel_size=2", "rollout.num_engines=4", *BIG)
-    plan = make_plan(r)
-    assert abs(plan.rollout_mem["weights"] - count_params(r.model).total * 2 / GiB) < 1e-6
-    assert any("blockwise FP8 is not sharded yet" in n for n in plan.notes)
-    check_rollout_tp(_recipe("tiny_moe", "model.fp8=blockwise", "rollout.tensor_parallel_size=4"))  # replicated: no split
+    m, plan = r.model, make_plan(r)
+    c, split = count_params(m), rollout_sharded_params(m)
+    assert abs(plan.rollout_mem["weights"] - (c.total - split + split / 2) * 2 / GiB) < 1e-6
+    fp8 = plan.rollout_mem["fp8_weights"]
+    assert abs(fp8 - (split / 2 + c.shared_experts) * (1 + 4 / 128 ** 2) / GiB) < 1e-6
+    assert rollout_fp8_cache_params(m, 2, split) == split / 2  # Qwen3-MoE: no shared experts
+    assert 0.45 * plan.rollout_mem["weights"] < fp8 < 0.5 * plan.rollout_mem["weights"]  # ~1 of 2 bytes
+    assert not any("not sharded yet" in n for n in plan.notes)
+    check_rollout_tp(_recipe("qwen3_30b_a3b", "model.fp8=blockwise", "parallel.tp=1", "parallel.dp=8",
+                             "rollout.tensor_parallel_size=4"))
+    with pytest.raises(PlanError) as e:  # tiny_moe: o_proj K = 4 x 32 = 128
+        check_rollout_tp(_recipe("tiny_moe", "model.fp8=blockwise", "rollout.tensor_parallel_size=2"))
+    msg = str(e.value)
+    assert "\n" not in msg and "model.num_attention_heads * model.head_dim=128 (a row-parallel FP8 K)" in msg, msg
+    assert "use rollout.tensor_parallel_size=1" in msg and "=1/2" not in msg, msg
 
 
 def test_qwen3_kv_heads_refused_at_planning_time_in_one_line():
