@@ -191,6 +191,14 @@ def test_fp8_learner_tp2_equals_reference(tmp_path_factory):
     assert torch.equal(res["logprobs_after"][m], after[m])
     assert not torch.equal(after[m], before[m])
     REPORT["learner TP=2 FP8 == reference (before, after a step)"] = f"{int(m.sum())}/{int(m.sum())} each"
+    # and == the TP=1 learner on the same checkpoint (in this process)
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.recipe import load_recipe
+
+    r = load_recipe(str(ROOT / "recipes/tiny_moe.yaml"), ["model.fp8=blockwise", *OVR])
+    lp1 = Learner(r.model, r.parallel, r.algo, str(d), seed=0, mode="aligned").logprobs(ids)
+    assert torch.equal(lp1[m], res["logprobs_before"][m])
+    REPORT["learner TP=2 FP8 == learner TP=1 FP8"] = f"{int(m.sum())}/{int(m.sum())}"
 
 
 def test_fp8_tp_refused_when_k_not_multiple_of_1024():
