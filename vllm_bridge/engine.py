@@ -131,6 +131,7 @@ ALIGNED_CLASSES = {
     "Qwen2ForCausalLM": "RZAlignedQwen2ForCausalLM",
     "DeepseekV3ForCausalLM": "RZAlignedDeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM": "RZAlignedDeepseekV4ForCausalLM",
+    "DeepseekV41ForCausalLM": "RZAlignedDeepseekV41ForCausalLM",
 }
 
 
@@ -184,8 +185,8 @@ def _is_mla_config(model_dir: str) -> bool:
 
 
 def _is_deepseek_v4(model_dir: str) -> bool:
-    """The checkpoint's architecture is DeepseekV4ForCausalLM (vLLM's own class, or ours aligned)."""
-    return "DeepseekV4ForCausalLM" in (_config(model_dir).get("architectures") or [])
+    """The checkpoint's architecture is DeepSeek-V4 or V4.1 (vLLM's own class, or ours aligned)."""
+    return bool({"DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"} & set(_config(model_dir).get("architectures") or []))
 
 
 def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[str, Any]]:

@@ -181,7 +181,7 @@ def _bytes(dtype: str) -> int:
 
 def _act_elements_per_token(m: ModelConfig, moe_layer: bool) -> float:
     h, n = m.hidden_size, m.num_attention_heads
-    a = 4 * h * (m.hc_mult if m.arch == "deepseek_v4" else 1)
+    a = 4 * h * (m.hc_mult if m.arch in ("deepseek_v4", "deepseek_v41") else 1)
     if m.arch in ("qwen3_moe", "qwen2"):
         a += 2 * n * m.head_dim + 2 * m.num_kv_heads * m.head_dim
     elif m.arch == "deepseek_v3":

@@ -84,7 +84,7 @@ class Learner:
         init_parallel(parallel, seed)
         if mode not in ("fast", "aligned"):
             raise ValueError(f"Learner: mode must be 'fast' or 'aligned', not {mode!r}")
-        if model_cfg.arch == "deepseek_v4":
+        if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):
             # One DeepSeek-V4 learner implementation, the aligned one; in fast mode it faces the
             # stock vLLM model (the mismatch fast mode measures).
             mode = "aligned"
@@ -95,7 +95,7 @@ class Learner:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
 
-        if model_cfg.arch == "deepseek_v4":
+        if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):  # V4.1: read from the checkpoint's config
             from megatron_rz.learner import deepseek_v4
 
             model = deepseek_v4.build_model(model_cfg, parallel, hf_dir)
