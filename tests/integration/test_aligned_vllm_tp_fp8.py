@@ -11,7 +11,7 @@ with 16 query / 4 KV heads of 128 (o_proj K = 2048) and layer 1 a dense MLP of i
 * the FP8 aligned engine shards at TP=2 (and TP=4 with RZ_TEST_FP8_TP4=1; workers hold 1/t of the attention / dense /
   expert parameters) and its sampled-token logprobs are bitwise (float bits) TP=1's and the FP8
   full-sequence reference's; prompt logprobs (RolloutEngine.score) too;
-* the learner (Megatron, gloo) at parallel.tp=2 in FP8 gives the FP8 reference's (== the TP=1
+* the learner (Megatron, gloo) at parallel.tp=2 and 4 in FP8 gives the FP8 reference's (== the TP=1
   learner's) logprobs bitwise, before and after a train step (all-MoE variant of the model: the
   learner's Qwen3-MoE has no dense layers);
 * a model whose row-parallel K is not a multiple of 1024 is refused at TP > 1 with a one-line message
@@ -160,18 +160,23 @@ def test_fp8_tp_equals_reference(runs):
     assert not torch.equal(eight, single)
 
 
-def test_fp8_learner_tp2_equals_reference(tmp_path_factory):
-    """Two gloo ranks, parallel.tp=2, model.fp8=blockwise (all-MoE variant): logprobs before and after a
-    train step equal the FP8 reference on the same weights (the TP=1 learner equals that reference:
-    tests/integration/test_fp8_models.py)."""
+@pytest.fixture(scope="module")
+def learner_ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("tp_fp8_learner"), dense=False)
+
+
+@pytest.mark.parametrize("tp", (2, 4))
+def test_fp8_learner_tp_equals_reference_and_tp1(learner_ckpt, tp):
+    """tp gloo ranks, parallel.tp=tp, model.fp8=blockwise (all-MoE variant): logprobs before and after a
+    train step equal the FP8 reference on the same weights, and the TP=1 learner's (~20 s each)."""
     from kernels.models.qwen3_dsv3 import reference_logprobs
     from megatron_rz.learner.parallel_check import fixed_batch
 
-    d = _checkpoint(tmp_path_factory.mktemp("tp_fp8_learner"), dense=False)
-    out = d / "tp2.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    d = learner_ckpt
+    out = d / f"tp{tp}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--standalone",
            "-m", "megatron_rz.learner.parallel_check", "--recipe", str(ROOT / "recipes/tiny_moe.yaml"),
-           "--mode", "aligned", "--hf-dir", str(d), "--tp", "2", "--ep", "1", "--out", str(out), "--steps", "1",
+           "--mode", "aligned", "--hf-dir", str(d), "--tp", str(tp), "--ep", "1", "--out", str(out), "--steps", "1",
            "--set", "model.fp8=blockwise"]
     for o in OVR:
         cmd += ["--set", o]
@@ -179,10 +184,10 @@ def test_fp8_learner_tp2_equals_reference(tmp_path_factory):
     env["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    REPORT["learner_tp2_s"] = round(time.perf_counter() - t0, 1)
+    REPORT[f"learner_tp{tp}_s"] = round(time.perf_counter() - t0, 1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = torch.load(out, weights_only=False)
-    assert res["layout"]["tp"] == 2 and res["layout"]["mode"] == "aligned"
+    assert res["layout"]["tp"] == tp and res["layout"]["mode"] == "aligned"
     ids, mask, _ = fixed_batch(64)
     m = mask.bool()
     before = reference_logprobs(str(d), _cfg(d), ids)
@@ -190,7 +195,7 @@ def test_fp8_learner_tp2_equals_reference(tmp_path_factory):
     assert torch.equal(res["logprobs_before"][m], before[m])
     assert torch.equal(res["logprobs_after"][m], after[m])
     assert not torch.equal(after[m], before[m])
-    REPORT["learner TP=2 FP8 == reference (before, after a step)"] = f"{int(m.sum())}/{int(m.sum())} each"
+    REPORT[f"learner TP={tp} FP8 == reference (before, after a step)"] = f"{int(m.sum())}/{int(m.sum())} each"
     # and == the TP=1 learner on the same checkpoint (in this process)
     from megatron_rz.learner.learner import Learner
     from megatron_rz.recipe import load_recipe
@@ -198,7 +203,7 @@ def test_fp8_learner_tp2_equals_reference(tmp_path_factory):
     r = load_recipe(str(ROOT / "recipes/tiny_moe.yaml"), ["model.fp8=blockwise", *OVR])
     lp1 = Learner(r.model, r.parallel, r.algo, str(d), seed=0, mode="aligned").logprobs(ids)
     assert torch.equal(lp1[m], res["logprobs_before"][m])
-    REPORT["learner TP=2 FP8 == learner TP=1 FP8"] = f"{int(m.sum())}/{int(m.sum())}"
+    REPORT[f"learner TP={tp} FP8 == learner TP=1 FP8"] = f"{int(m.sum())}/{int(m.sum())}"
 
 
 @pytest.mark.skipif(os.environ.get("RZ_TEST_FP8_DSV3") != "1", reason="opt in: RZ_TEST_FP8_DSV3=1 (~70 s)")
