@@ -741,7 +741,7 @@ def row_parallel_ks(m) -> dict:
     that ROW_PARALLEL_K_SEGMENTS must divide): attention output, dense / shared / routed down_proj
     (DeepSeek-V4: the grouped output wo_b and the expert w2)."""
     ks = {}
-    if m.arch == "deepseek_v4":
+    if m.arch in ("deepseek_v4", "deepseek_v41"):
         ks["model.o_groups * model.o_lora_rank"] = m.o_groups * m.o_lora_rank
     elif m.arch == "deepseek_v3":
         ks["model.num_attention_heads * model.v_head_dim"] = m.num_attention_heads * m.v_head_dim
