@@ -14,7 +14,8 @@ Numerics: :mod:`kernels.models.kimi_k3` / :mod:`kernels.models.kda`, the very fu
 mixers, MoE / latent MoE / dense MLP, block attention residuals, ``final_hidden``,
 ``kernels.lm_head_logits``); only where the sequence state lives differs:
 
-* **KDA layers** (:class:`RZKDALayer`, a vLLM ``MambaBase`` layer): two states per request slot in
+* **KDA layers** (:class:`RZKDALayer`: the parameters; its child :class:`RZKDAState`, a vLLM
+  ``MambaBase`` layer without parameters, ``model.layers.{i}.self_attn.rz_state``): two states per request slot in
   vLLM's mamba state cache, ``conv [3P, W - 1]`` (activation dtype; vLLM's "DS" layout is the
   reference's, "SD" is viewed transposed) and ``recurrent [H, K, V]`` **fp32** (the reference's
   ``[K, V]`` orientation; only this class reads it, so vLLM's Triton ``[V, K]`` convention does not
@@ -67,7 +68,7 @@ from vllm_bridge.vllm_compat import aligned_attention_backend
 
 from ._model import LogitsScale, Params
 
-__all__ = ["RZAlignedKimiK3ForCausalLM", "RZKDALayer"]
+__all__ = ["RZAlignedKimiK3ForCausalLM", "RZKDALayer", "RZKDAState"]
 
 PREFILL_CHUNK = 64  # kda_chunked's chunk (the same bits for any value)
 
@@ -139,15 +140,43 @@ def _kda_state_dtype(vllm_config: VllmConfig):
     return dts
 
 
-class RZKDALayer(nn.Module, MambaBase):
-    """One KDA mixer: its parameters (Kimi checkpoint names, relative to ``self_attn.``) and its
-    vLLM state cache ``self.kv_cache = (conv, recurrent)`` (bound by vLLM: ``MambaBase.bind_kv_cache``)."""
+class RZKDAState(nn.Module, MambaBase):
+    """The vLLM state-cache layer of one KDA mixer: no parameters (vLLM's layerwise reload defers
+    attention-like layers and puts their old tensors back), only ``self.kv_cache = (conv,
+    recurrent)`` (bound by vLLM: ``MambaBase.bind_kv_cache``)."""
 
-    def __init__(self, c: R.KimiConfig, vllm_config: VllmConfig, prefix: str, dtype: torch.dtype) -> None:
+    def __init__(self, c: R.KimiConfig, vllm_config: VllmConfig, prefix: str) -> None:
         nn.Module.__init__(self)
         self.prefix = prefix
         self.rz_c = c
         self.rz_vllm_config = vllm_config
+        self.kv_cache = ()
+        sfc = vllm_config.compilation_config.static_forward_context
+        if prefix in sfc:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        sfc[prefix] = self
+
+    def get_state_shape(self):
+        return _kda_state_shape(self.rz_c)
+
+    def get_state_dtype(self):
+        return _kda_state_dtype(self.rz_vllm_config)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def process_weights_after_loading(self, *args, **kwargs) -> None:
+        pass
+
+
+class RZKDALayer(nn.Module):
+    """One KDA mixer: its parameters (Kimi checkpoint names, relative to ``self_attn.``) and its
+    state-cache layer ``rz_state`` (:class:`RZKDAState`, vLLM layer ``...self_attn.rz_state``)."""
+
+    def __init__(self, c: R.KimiConfig, vllm_config: VllmConfig, prefix: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rz_c = c
         kc = c.kda
         H, P, D, Hd, W = c.hidden_size, kc.proj_dim, kc.head_dim, kc.num_heads, kc.conv_kernel
         for n in "qkv":
@@ -165,37 +194,23 @@ class RZKDALayer(nn.Module, MambaBase):
             self.g_b_proj = Params(dtype, weight=(P, D))
         self.o_norm = Params(dtype, weight=(D,))
         self.o_proj = Params(dtype, weight=(H, P))
-        self.kv_cache = ()
+        self.rz_state = RZKDAState(c, vllm_config, f"{prefix}.rz_state")
         # requests computed so far, by kind (a first chunk / a later prompt chunk from the cached
         # state / a decode step): read by tests to see that chunked prefill really happened
         self.rz_counts = {"first_chunk": 0, "chunk_from_state": 0, "decode": 0}
-        sfc = vllm_config.compilation_config.static_forward_context
-        if prefix in sfc:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        sfc[prefix] = self
-
-    # ---- MambaBase ------------------------------------------------------------------------------
-    def get_state_shape(self):
-        return _kda_state_shape(self.rz_c)
-
-    def get_state_dtype(self):
-        return _kda_state_dtype(self.rz_vllm_config)
-
-    @property
-    def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.LINEAR
 
     # ---- compute ----------------------------------------------------------------------------------
     def rz_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [1, N, H]`` (post-norm, the step's tokens of all requests) -> the mixer output."""
+        sl = self.rz_state
         md = get_forward_context().attn_metadata
-        m = md.get(self.prefix) if isinstance(md, dict) else None
+        m = md.get(sl.prefix) if isinstance(md, dict) else None
         out = torch.zeros_like(x)
-        if m is None or not self.kv_cache:  # profiling / dummy run
+        if m is None or not sl.kv_cache:  # profiling / dummy run
             return out
         kc = self.rz_c.kda
         get = _getter(self)
-        conv, rec = self.kv_cache
+        conv, rec = sl.kv_cache
         if not is_conv_state_dim_first():
             conv = conv.transpose(-1, -2)  # [slots, 3P, W - 1] view either way
         qsl = m.query_start_loc.tolist()
