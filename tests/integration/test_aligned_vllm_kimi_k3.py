@@ -16,6 +16,8 @@ decodes of other sequences, at T=1 and T=0.7; the same prompts one request at a 
 responses re-scored as prompts (prompt_logprobs: one prefill, chunked where long) equal the
 logprobs reported while they were decoded in the batch. The KDA layers count the requests they
 computed by kind, and the test checks that prompt chunks did continue from the cached state.
+After an in-place weight reload (the worker extension's staged path, as a weight sync) with
+perturbed weights, parity with the reference on the new weights is still bitwise.
 
 Engine: ``VLLM_MLA_DISABLE=1`` while it starts (as ``vllm_bridge/engine.py`` for the aligned MLA
 classes; with vLLM's MLA bookkeeping on, vLLM-CPU turns chunked prefill off), prefix caching off,

@@ -35,6 +35,17 @@ mixers, MoE / latent MoE / dense MLP, block attention residuals, ``final_hidden`
   ``_dtype_`` / ``_copy_func`` (vLLM's KDA shapes and copy functions), so vLLM allocates attention
   and mamba pages in one pool (it pads the mamba page to the attention page).
 
+Engine settings: as the other aligned classes (fp32 or bf16, ``enforce_eager``, processed
+logprobs), plus ``VLLM_MLA_DISABLE=1`` in the engine's environment (as ``vllm_bridge/engine.py``
+sets for the aligned MLA classes): ``kimi_linear`` is an MLA model type to vLLM, and with MLA on,
+vLLM-CPU turns chunked prefill and prefix caching off (``platforms/cpu.py``) and sizes the hybrid
+page from the latent head. On CPU the MLA layers use the aligned backend with a metadata builder
+that skips vLLM's C++ CPU-attention scheduler (``cpu_attn_get_scheduler_metadata`` refuses head
+sizes such as 24; the aligned impl never reads it). Tested with prefix caching off (vLLM's hybrid
+default with it on is ``mamba_cache_mode="align"``, not tried). The KDA state layer holds no
+parameters, so vLLM's layerwise in-place reload (a weight sync) reloads the KDA weights like any
+other module (it defers attention-like layers and restores their old tensors).
+
 Not supported (refused at start-up): tensor parallelism (one worker computes the whole model), a
 recurrent state dtype other than fp32 (``mamba_ssm_cache_dtype``), speculative decoding.
 """
