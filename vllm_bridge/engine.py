@@ -132,6 +132,7 @@ ALIGNED_CLASSES = {
     "DeepseekV3ForCausalLM": "RZAlignedDeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM": "RZAlignedDeepseekV4ForCausalLM",
     "DeepseekV41ForCausalLM": "RZAlignedDeepseekV41ForCausalLM",
+    "KimiLinearForCausalLM": "RZAlignedKimiK3ForCausalLM",  # Kimi-Linear and K3 (vLLM's kimi_linear schema)
 }
 
 

@@ -4,7 +4,8 @@
 
 * ``RZAlignedQwen3MoeForCausalLM``, ``RZAlignedQwen2ForCausalLM``, ``RZAlignedDeepseekV3ForCausalLM``,
   ``RZAlignedDeepseekV4ForCausalLM`` and ``RZAlignedDeepseekV41ForCausalLM`` (DeepSeek-V4.1: engram,
-  delayed hyper-connection pre-mix; sliding-window layers only) in vLLM's ModelRegistry,
+  delayed hyper-connection pre-mix; sliding-window layers only) and ``RZAlignedKimiK3ForCausalLM``
+  (Kimi-Linear / Kimi-K3: KDA state in vLLM's mamba state cache, fp32) in vLLM's ModelRegistry,
   selectable with ``LLM(model=hf_dir, hf_overrides={"architectures": [name]}, ...)`` on the normal
   Hugging Face checkpoints;
 * the aligned attention backend as ``AttentionBackendEnum.CUSTOM`` (CPU or CUDA: ``vllm_bridge.vllm_compat``).
@@ -23,6 +24,7 @@ ARCHITECTURES = {
     "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
     "RZAlignedDeepseekV4ForCausalLM": "vllm_bridge.aligned.deepseek_v4:RZAlignedDeepseekV4ForCausalLM",
     "RZAlignedDeepseekV41ForCausalLM": "vllm_bridge.aligned.deepseek_v41:RZAlignedDeepseekV41ForCausalLM",
+    "RZAlignedKimiK3ForCausalLM": "vllm_bridge.aligned.kimi_k3:RZAlignedKimiK3ForCausalLM",
 }
 
 _REGISTERED = False
