@@ -11,7 +11,7 @@ One tiny random checkpoint: recipes/tiny_dsv3.yaml's model (1 dense + 1 MoE laye
 in 2 groups, 1 shared expert, MLA with 64-dim rope) with 4 heads and a q LoRA (q_lora_rank 64, so
 q_a_proj / q_a_layernorm / q_b_proj run) and a random e_score_correction_bias (transformers
 initialises it to zero: this way the biased grouped top-k matters). Engines: TP=1, TP=2 and, when
-``kernels.ROW_PARALLEL_K_SEGMENTS`` is divisible by 4, TP=4 (vLLM-CPU workers bound to the available
+``kernels.ROW_PARALLEL_K_SEGMENTS`` is divisible by 4 and ``RZ_TEST_DSV3_TP4=1``, TP=4 (vLLM-CPU workers bound to the available
 CPUs round-robin, VLLM_CPU_OMP_THREADS_BIND="0|1|0|1" on two CPUs). Each engine runs once for the
 module (generate, score, in-place update, verify, generate, score), then is closed.
 
@@ -50,7 +50,11 @@ HEADS = 4
 PROMPTS = [torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(500 + i)).tolist()
            for i, n in enumerate([3, 9, 17])]
 ROOT = Path(__file__).resolve().parents[2]
-TPS = [tp for tp in (2, 4) if kernels.ROW_PARALLEL_K_SEGMENTS % tp == 0]
+# TP=4 adds ~35-40 s to CI on the 2-CPU box (an engine of 4 workers); the default suite runs TP=2 here
+# and TP=4 for the Qwen3-MoE class (test_aligned_vllm_tp.py: the same _row_parallel / expert split).
+# Opt in with RZ_TEST_DSV3_TP4=1 (measured: 44/44 bitwise TP=1 before and after the update).
+TPS = [tp for tp in ((2, 4) if os.environ.get("RZ_TEST_DSV3_TP4") == "1" else (2,))
+       if kernels.ROW_PARALLEL_K_SEGMENTS % tp == 0]
 A = "model.layers.{}.self_attn."
 
 
