@@ -248,9 +248,15 @@ def build_parameter_tree(root: "torch.nn.Module", c: V4Config, make: Callable[[s
     under ``root`` for every original name that starts with ``prefix`` (at the name relative to it),
     whose relative name starts with none of ``skip`` and that ``include`` accepts; intermediate
     modules are created."""
+    add_parameter_tree(root, parameter_shapes(c), make, prefix, skip, include)
+
+
+def add_parameter_tree(root, shapes: dict, make, prefix: str = "", skip: tuple[str, ...] = (),
+                       include: Optional[Callable[[str], bool]] = None) -> None:
+    """The module tree of ``shapes`` ({name: (shape, kind)}) under ``root``: see build_parameter_tree."""
     from torch import nn
 
-    for name, (shape, kind) in parameter_shapes(c).items():
+    for name, (shape, kind) in shapes.items():
         if not name.startswith(prefix) or name[len(prefix):].startswith(skip or ("\0",)):
             continue
         if include is not None and not include(name):

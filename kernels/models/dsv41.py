@@ -217,24 +217,7 @@ def parameter_shapes(c: V41Config) -> dict[str, tuple[tuple[int, ...], str]]:
 def build_parameter_tree(root, c: V41Config, make, prefix: str = "", skip: tuple[str, ...] = (),
                          include: Optional[Callable[[str], bool]] = None) -> None:
     """:func:`kernels.models.dsv4.build_parameter_tree` over V4.1's names."""
-    from torch import nn
-
-    for name, (shape, kind) in parameter_shapes(c).items():
-        if not name.startswith(prefix) or name[len(prefix):].startswith(skip or ("\0",)):
-            continue
-        if include is not None and not include(name):
-            continue
-        *path, leaf = name[len(prefix):].split(".")
-        mod = root
-        for part in path:
-            if part not in mod._modules:
-                mod.add_module(part, nn.Module())
-            mod = mod._modules[part]
-        t = make(name, shape, kind)
-        if isinstance(t, nn.Parameter):
-            mod.register_parameter(leaf, t)
-        else:
-            mod.register_buffer(leaf, t)
+    V4.add_parameter_tree(root, parameter_shapes(c), make, prefix, skip, include)
 
 
 # --------------------------------------------------------------------------------------------------
