@@ -44,7 +44,10 @@ class ModelConfig(_Strict):
     # qwen2: dense Qwen2ForCausalLM (q/k/v biases, no QK-norm; num_experts=0, head_dim = hidden / heads).
     # deepseek_v41: DeepSeek-V4.1 (engram, delayed hc pre-mix; sliding-window layers only): the V4 learner
     # module, kernels/models/dsv41.py, vllm_bridge/aligned/deepseek_v41.py; model.compress_ratios all 0.
-    arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4", "deepseek_v41"] = "qwen3_moe"
+    # kimi_k3: Kimi-Linear / K3 class (KDA + NoPE MLA + latent MoE): learner megatron_rz/learner/kimi_k3.py
+    # (DP + EP), kernels/models/kimi_k3.py, vllm_bridge/aligned/kimi_k3.py. KDA heads = num_attention_heads of
+    # head_dim; MLA sizes as deepseek_v3's keys; the K3 options are set in tiny_models.TINY_KIMI_K3.
+    arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4", "deepseek_v41", "kimi_k3"] = "qwen3_moe"
     # A Hugging Face checkpoint directory to start from (config.json, *.safetensors, tokenizer; on a
     # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
     # section (megatron_rz/learner/pretrained.py checks it before anything starts).
@@ -157,6 +160,9 @@ class ModelConfig(_Strict):
                 "model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the aligned V4 path has no "
                 "FP8 linears yet); set model.fp8=none for deepseek_v4"
             )
+        if self.arch == "kimi_k3" and (self.fp8 != "none" or self.router_score == "sqrtsoftplus"):
+            raise ValueError("model.arch=kimi_k3 routes with model.router_score sigmoid or softmax and has no FP8 "
+                             "path yet (model.fp8=none)")
         if self.first_k_dense >= self.num_layers:
             raise ValueError("model.first_k_dense must leave at least one MoE layer (< num_layers)")
         return self

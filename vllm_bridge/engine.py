@@ -326,6 +326,10 @@ class RolloutEngine:
                 # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.
                 env["VLLM_MLA_DISABLE"] = "1"
+            if kwargs["hf_overrides"]["architectures"] == ["RZAlignedKimiK3ForCausalLM"]:
+                # hybrid (KDA state cache): vLLM's prefix caching for it is mamba_cache_mode "align",
+                # which needs chunked prefill (off here, see above); the class is tested without it
+                kwargs["enable_prefix_caching"] = False
         elif self.is_mla:
             # vLLM 0.32 CPU bug: the CPU rotary custom op is wrong for 3-D query tensors (MLA):
             # logprob errors ~0.5. Use the native torch rotary implementation instead.

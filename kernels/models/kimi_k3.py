@@ -121,6 +121,10 @@ __all__ = [
     "decoder_layer_apply",
     "embed_stream",
     "final_hidden",
+    "parameter_shapes",
+    "moe_prefix",
+    "routed_slots",
+    "fold_combine",
 ]
 
 Getter = Callable[[str], Optional[torch.Tensor]]
@@ -351,17 +355,33 @@ def _expert_weights(get: Getter, e: int, inter: int):
     raise KeyError(f"Kimi weights: expert {e} not found")
 
 
-def _routed(c: KimiConfig, get: Getter, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[T, k, D]``: slot j of token t = expert ``ids[t, j]`` on ``x[t]`` (independent rows)."""
+def _routed(c: KimiConfig, get: Getter, x: torch.Tensor, ids: torch.Tensor, owned=None) -> torch.Tensor:
+    """``[T, k, D]``: slot j of token t = expert ``ids[t, j]`` on ``x[t]`` (independent rows);
+    ``owned``: only these experts' slots (the others exact zeros: an expert-parallel rank's share)."""
     T, D = x.shape
     k = ids.shape[1]
     flat = ids.reshape(-1)
     y = x.new_zeros(T * k, D)
     for e in torch.unique(flat).tolist():
+        if owned is not None and e not in owned:
+            continue
         sel = (flat == e).nonzero().squeeze(1)
         tok = torch.div(sel, k, rounding_mode="floor")
         y[sel] = _mlp(c, x[tok], *_expert_weights(get, e, c.moe_intermediate_size))
     return y.view(T, k, D)
+
+
+def routed_slots(c: KimiConfig, get: Getter, x: torch.Tensor, ids: torch.Tensor, owned=None) -> torch.Tensor:
+    """The routed experts' outputs ``[T, k, D]`` of rows ``x [T, D]`` (the MoE input, or the latent)
+    for the routing ``ids [T, k]``, as :func:`kimi_moe_forward` computes them; ``owned`` (a
+    container of expert ids): only those experts' slots, the others exact zeros."""
+    return _routed(c, get, x, ids, owned)
+
+
+def fold_combine(y: torch.Tensor, w: torch.Tensor, extra: Optional[torch.Tensor], odt: torch.dtype) -> torch.Tensor:
+    """:func:`kimi_moe_forward`'s combine: fp32 left fold of ``w[:, j] * y[:, j]`` in slot order,
+    then ``extra`` (the shared expert, or None), rounded once to ``odt``."""
+    return _fold_combine(y, w, extra, odt)
 
 
 def kimi_moe_forward(c: KimiConfig, get: Getter, x: torch.Tensor) -> Tuple[torch.Tensor, dict]:
@@ -653,13 +673,18 @@ def mla_nope_output(c: KimiConfig, get: Getter, x: torch.Tensor, o: torch.Tensor
 
 
 def decoder_layer_apply(c: KimiConfig, get: Getter, layer: int, h: Any,
-                        mixer: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+                        mixer: Callable[[torch.Tensor], torch.Tensor],
+                        mlp_rows: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Any:
     """:func:`decoder_layer_forward` with the token mixer supplied by the caller: ``mixer(x [B, T, H])
     -> [B, T, H]`` (the engine's KDA / MLA over its own caches). Same ops, same order; returns the
-    new ``h`` (the residual stream, or the AttnRes dict)."""
+    new ``h`` (the residual stream, or the AttnRes dict). ``mlp_rows(x [N, H]) -> [N, H]``: the
+    layer's MLP / MoE supplied by the caller too (the learner's expert-parallel MoE); None = the
+    layer's own weights through ``get`` (:func:`dense_mlp_forward` / :func:`kimi_moe_forward`)."""
     def mlp(x):
         B, T, D = x.shape
-        return _mlp_block(c, get, layer, x.reshape(B * T, D)).view(B, T, D)
+        rows = x.reshape(B * T, D)
+        out = _mlp_block(c, get, layer, rows) if mlp_rows is None else mlp_rows(rows)
+        return out.view(B, T, D)
 
     if c.attn_res_block_size is None:
         a = mixer(kernels.rms_norm(h, get("input_layernorm.weight"), c.rms_norm_eps))
@@ -698,3 +723,95 @@ def final_hidden(c: KimiConfig, get: Getter, h: Any) -> torch.Tensor:
         h = attn_res_mix(res["blocks"] + [p], get("model.output_attn_res_norm.weight"),
                          get("model.output_attn_res_proj.weight"), c.rms_norm_eps).to(res["dtype"])
     return kernels.rms_norm(h, get("model.norm.weight"), c.rms_norm_eps)
+
+
+# ------------------------------------------------------------------------------- the weight names
+
+
+def moe_prefix(c: KimiConfig, layer: int) -> str:
+    """The MLP's name prefix in the Kimi checkpoints: ``block_sparse_moe.`` (MoE) / ``mlp.`` (dense)."""
+    return "block_sparse_moe." if c.mlp_types[layer] == "moe" else "mlp."
+
+
+def parameter_shapes(c: KimiConfig, full_rank_gate: bool = False) -> dict:
+    """``{name: (shape, kind)}`` of every tensor of the model in the Kimi checkpoint names vLLM loads
+    (the tree of the aligned vLLM class): ``kind`` is ``"param"`` (model dtype, trained) or
+    ``"fp32_buffer"`` (``gate.e_score_correction_bias``: fp32, set by load balancing, not by the
+    loss). KDA: separate ``q/k/v_conv1d [P, 1, W]``, ``A_log [H]``, ``dt_bias [P]``; the output
+    gate ``g_proj`` (``full_rank_gate``: K3's ``linear_attn_config.use_full_rank_gate``) or
+    ``g_a_proj / g_b_proj``. Experts per expert as ``w1 / w3 / w2`` (gate / up / down)."""
+    H, V = c.hidden_size, c.vocab_size
+    out: dict = {"model.embed_tokens.weight": ((V, H), "param")}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = ((H,), "param")
+        out[p + "post_attention_layernorm.weight"] = ((H,), "param")
+        if c.attn_res_block_size is not None:
+            for kind in ("self_attention", "mlp"):
+                out[p + f"{kind}_res_norm.weight"] = ((H,), "param")
+                out[p + f"{kind}_res_proj.weight"] = ((1, H), "param")
+        a = p + "self_attn."
+        if c.layer_types[i] == "kda":
+            kc = c.kda
+            P, D, nh, W = kc.proj_dim, kc.head_dim, kc.num_heads, kc.conv_kernel
+            for n in "qkv":
+                out[a + f"{n}_proj.weight"] = ((P, H), "param")
+                out[a + f"{n}_conv1d.weight"] = ((P, 1, W), "param")
+            out[a + "f_a_proj.weight"] = ((D, H), "param")
+            out[a + "f_b_proj.weight"] = ((P, D), "param")
+            out[a + "dt_bias"] = ((P,), "param")
+            out[a + "A_log"] = ((nh,), "param")
+            out[a + "b_proj.weight"] = ((nh, H), "param")
+            if full_rank_gate:
+                out[a + "g_proj.weight"] = ((P, H), "param")
+            else:
+                out[a + "g_a_proj.weight"] = ((D, H), "param")
+                out[a + "g_b_proj.weight"] = ((P, D), "param")
+            out[a + "o_norm.weight"] = ((D,), "param")
+            out[a + "o_proj.weight"] = ((H, P), "param")
+        else:
+            nh = c.num_heads
+            if c.q_lora_rank is None:
+                out[a + "q_proj.weight"] = ((nh * c.qk_head_dim, H), "param")
+            else:
+                out[a + "q_a_proj.weight"] = ((c.q_lora_rank, H), "param")
+                out[a + "q_a_layernorm.weight"] = ((c.q_lora_rank,), "param")
+                out[a + "q_b_proj.weight"] = ((nh * c.qk_head_dim, c.q_lora_rank), "param")
+            out[a + "kv_a_proj_with_mqa.weight"] = ((c.kv_lora_rank + c.qk_rope_head_dim, H), "param")
+            out[a + "kv_a_layernorm.weight"] = ((c.kv_lora_rank,), "param")
+            out[a + "kv_b_proj.weight"] = ((nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "param")
+            if c.mla_output_gate:
+                out[a + "g_proj.weight"] = ((nh * c.v_head_dim, H), "param")
+            out[a + "o_proj.weight"] = ((H, nh * c.v_head_dim), "param")
+        m = p + moe_prefix(c, i)
+        if c.mlp_types[i] == "dense":
+            I = c.intermediate_size
+            for n in ("gate_proj", "up_proj"):
+                out[m + f"{n}.weight"] = ((I, H), "param")
+            out[m + "down_proj.weight"] = ((H, I), "param")
+            continue
+        E, I = c.num_experts, c.moe_intermediate_size
+        hin = H if c.latent_size is None else c.latent_size
+        out[m + "gate.weight"] = ((E, H), "param")
+        out[m + "gate.e_score_correction_bias"] = ((E,), "fp32_buffer")
+        for e in range(E):
+            out[m + f"experts.{e}.w1.weight"] = ((I, hin), "param")
+            out[m + f"experts.{e}.w3.weight"] = ((I, hin), "param")
+            out[m + f"experts.{e}.w2.weight"] = ((hin, I), "param")
+        if c.num_shared_experts:
+            Is = I * c.num_shared_experts
+            out[m + "shared_experts.gate_proj.weight"] = ((Is, H), "param")
+            out[m + "shared_experts.up_proj.weight"] = ((Is, H), "param")
+            out[m + "shared_experts.down_proj.weight"] = ((H, Is), "param")
+        if c.latent_size is not None:
+            out[m + "routed_expert_down_proj.weight"] = ((c.latent_size, H), "param")
+            if c.latent_norm:
+                out[m + "routed_expert_norm.weight"] = ((c.latent_size,), "param")
+            out[m + "routed_expert_up_proj.weight"] = ((H, c.latent_size), "param")
+    out["model.norm.weight"] = ((H,), "param")
+    if c.attn_res_block_size is not None:
+        out["model.output_attn_res_norm.weight"] = ((H,), "param")
+        out["model.output_attn_res_proj.weight"] = ((1, H), "param")
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ((V, H), "param")
+    return out

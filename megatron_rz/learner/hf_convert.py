@@ -240,6 +240,10 @@ def load_hf_into_megatron(model, hf_dir_or_state_dict, model_cfg: ModelConfig) -
         from megatron_rz.learner import deepseek_v4
 
         return deepseek_v4.load_weights(model, hf_dir_or_state_dict)
+    if model_cfg.arch == "kimi_k3":  # Kimi checkpoint names: a direct copy
+        from megatron_rz.learner import kimi_k3
+
+        return kimi_k3.load_weights(model, hf_dir_or_state_dict)
     tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()
     get = _read_hf(hf_dir_or_state_dict)
     per_rank = _experts_per_rank(model_cfg, ep)
@@ -278,6 +282,11 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
         from megatron_rz.learner import deepseek_v4
 
         yield from deepseek_v4.export_weights(model)
+        return
+    if model_cfg.arch == "kimi_k3":
+        from megatron_rz.learner import kimi_k3
+
+        yield from kimi_k3.export_weights(model)
         return
     tp, _, tp_group, etp, _, etp_group, ep, _, ep_group = _ctx()
     per_rank = _experts_per_rank(model_cfg, ep)

@@ -17,7 +17,8 @@ from pathlib import Path
 from megatron_rz.recipe import Recipe, RecipeError
 
 ARCH_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                "deepseek_v4": "DeepseekV4ForCausalLM", "deepseek_v41": "DeepseekV41ForCausalLM"}
+                "deepseek_v4": "DeepseekV4ForCausalLM", "deepseek_v41": "DeepseekV41ForCausalLM",
+                "kimi_k3": "KimiLinearForCausalLM"}
 # config attributes that fix the network's shapes or numerics (compared where both configs have
 # them; read through transformers, which maps each release's key names, e.g. num_experts /
 # num_local_experts, onto the same attribute)

@@ -220,6 +220,9 @@ def save_hf_checkpoint(model, out_dir: Path, arch: str) -> None:
         save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
                   metadata={"format": "pt"})
         return
+    if arch == "kimi_k3":
+        save_kimi_k3_checkpoint(model, out_dir)
+        return
     if arch != "deepseek_v4":
         model.save_pretrained(out_dir, safe_serialization=True)
         return
@@ -249,6 +252,10 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
     if recipe.model.arch == "deepseek_v41":
         model = TinyDeepseekV41(deepseek_v41_config_dict(tok, **deepseek_v41_overrides(recipe.model)), tok, seed)
         save_hf_checkpoint(model, out_dir, "deepseek_v41")
+        return model, tok
+    if recipe.model.arch == "kimi_k3":
+        model = TinyKimiK3(kimi_k3_config_dict(recipe.model, tok), seed)
+        save_hf_checkpoint(model, out_dir, "kimi_k3")
         return model, tok
     cfg = hf_config(recipe.model, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)
@@ -448,3 +455,109 @@ class TinyDeepseekV41(torch.nn.Module):
 
         logits = dsv41.forward_logits(self.c, lambda n: dsv4.lookup(self, n), input_ids.long().cpu(), self.token_map)
         return self._ns(logits=logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kimi-Linear / Kimi-K3 (no trainable transformers K3: config.json in the Kimi checkpoint schema vLLM
+# reads, model_type kimi_linear; weights under the Kimi names, kernels.models.kimi_k3.parameter_shapes)
+# --------------------------------------------------------------------------------------------------
+
+# The K3 options of the tiny model (every one the aligned classes implement): SiTU, latent MoE with
+# its norm, block attention residuals, q-LoRA MLA with the sigmoid output gate, KDA with the full-rank
+# output gate and the lower-bounded ("safe") forget gate. MLA on every second layer (1-indexed even).
+TINY_KIMI_K3 = dict(
+    hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=8.0, routed_expert_hidden_size=24,
+    latent_moe_use_norm=True, attn_res_block_size=2, mla_use_output_gate=True, mla_use_nope=True,
+    short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True, moe_layer_freq=1,
+)
+
+
+def kimi_k3_config_dict(m: ModelConfig, tokenizer, **overrides) -> dict:
+    """config.json of a tiny Kimi-K3 from the recipe's model section (+ ``TINY_KIMI_K3``): KDA with
+    ``num_attention_heads`` heads of ``head_dim``; MLA with the deepseek_v3 keys (q_lora_rank,
+    kv_lora_rank, qk_nope/rope_head_dim, v_head_dim); MoE from layer ``first_k_dense`` on."""
+    k3 = dict(TINY_KIMI_K3, **overrides)
+    n = m.num_layers
+    full = [i for i in range(1, n + 1) if i % 2 == 0]
+    lac = {"kda_layers": [i for i in range(1, n + 1) if i not in full], "full_attn_layers": full,
+           "num_heads": m.num_attention_heads, "head_dim": m.head_dim,
+           "short_conv_kernel_size": k3.pop("short_conv_kernel_size"), "gate_lower_bound": k3.pop("gate_lower_bound"),
+           "use_full_rank_gate": k3.pop("use_full_rank_gate")}
+    cfg = dict(
+        model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], torch_dtype=m.dtype,
+        hidden_size=m.hidden_size, num_hidden_layers=n, vocab_size=m.vocab_size, rms_norm_eps=m.rms_norm_eps,
+        max_position_embeddings=m.max_position_embeddings, bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_attention_heads,
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+        intermediate_size=m.dense_ffn_hidden_size, moe_intermediate_size=m.moe_ffn_hidden_size,
+        num_experts=m.num_experts, num_experts_per_token=m.top_k, num_shared_experts=m.num_shared_experts,
+        moe_router_activation_func=m.router_score, use_grouped_topk=m.router_num_groups > 1,
+        num_expert_group=m.router_num_groups, topk_group=m.router_group_topk, moe_renormalize=m.norm_topk_prob,
+        routed_scaling_factor=m.routed_scaling_factor, first_k_dense_replace=m.first_k_dense,
+        tie_word_embeddings=m.tie_word_embeddings, linear_attn_config=lac, **k3,
+    )
+    return cfg
+
+
+def random_kimi_k3_state_dict(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights under the Kimi names (``kernels.models.kimi_k3.parameter_shapes``): linears
+    ``N(0, 1 / fan_in)``, norms ``1 + 0.1 N``, KDA conv ``0.5 N``, ``A_log = log U(1, 16)``, the
+    noaux_tc bias zeros (as transformers initialises it)."""
+    from kernels.models import kimi_k3 as kk
+
+    c = kk.kimi_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, (shape, kind) in kk.parameter_shapes(c, cfg["linear_attn_config"]["use_full_rank_gate"]).items():
+        if kind == "fp32_buffer":
+            sd[name] = torch.zeros(shape)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            sd[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("conv1d.weight"):
+            sd[name] = 0.5 * torch.randn(shape, generator=g)
+        elif name.endswith("A_log"):
+            sd[name] = torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+        elif name.endswith("dt_bias") or name == "model.embed_tokens.weight":
+            sd[name] = torch.randn(shape, generator=g)
+        else:
+            sd[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    return sd
+
+
+class TinyKimiK3(torch.nn.Module):
+    """A trainable Kimi-K3 over :mod:`kernels.models.kimi_k3` (Kimi names), for the warm start:
+    ``model(input_ids=ids).logits``; ``hf_config`` is its config.json."""
+
+    def __init__(self, cfg: dict, seed: int = 0) -> None:
+        from kernels.models import dsv4
+        from kernels.models import kimi_k3 as kk
+
+        super().__init__()
+        self.hf_config = cfg
+        self.c = kk.kimi_config(cfg)
+        sd = random_kimi_k3_state_dict(cfg, seed)
+        shapes = kk.parameter_shapes(self.c, cfg["linear_attn_config"]["use_full_rank_gate"])
+        dsv4.add_parameter_tree(self, shapes, lambda name, shape, kind: sd[name].clone() if kind == "fp32_buffer"
+                                else torch.nn.Parameter(sd[name].clone()))
+
+    def forward(self, input_ids: torch.Tensor):
+        from types import SimpleNamespace
+
+        from kernels.models import kimi_k3 as kk
+
+        w = dict(self.named_parameters())
+        w.update(self.named_buffers())
+        return SimpleNamespace(logits=kk.forward(w, self.c, input_ids.long().cpu())[0])
+
+
+def save_kimi_k3_checkpoint(model: TinyKimiK3, out_dir: Path) -> None:
+    """config.json (with the weights' dtype) + model.safetensors under the Kimi names."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    cfg = dict(model.hf_config, torch_dtype=str(sd["model.embed_tokens.weight"].dtype).removeprefix("torch."))
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
