@@ -71,6 +71,9 @@ class V4Config:
     inv_freq_compress: torch.Tensor
     tie_word_embeddings: bool = False
     arch: str = "deepseek_v4"
+    # Tensor parallelism (the aligned vLLM class at tensor_parallel_size > 1): this rank's shard and
+    # its collectives; ``num_heads`` is then the rank's local head count. None: the whole model.
+    tp: Optional["TPShard"] = None
 
     def payload_width(self, layer: int) -> int:
         """Floats cached per token in layer ``layer`` (key, then compressor and indexer rows)."""
@@ -85,6 +88,27 @@ class V4Config:
     @property
     def max_payload_width(self) -> int:
         return max(self.payload_width(i) for i in range(self.num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    """One tensor-parallel rank of an aligned V4 engine (docs/tp.md "DeepSeek-V4").
+
+    * heads: rank ``rank`` of ``size`` holds query heads ``rank * H/size ..`` (``wq_b`` rows,
+      ``attn_sink``); the shared KV head, the compressors and the indexer are replicated;
+    * grouped output: rank r holds rows ``r * G*R/size ..`` of ``wo_a`` (whole groups when G % size
+      == 0; otherwise part of one group, whose heads are then gathered from the other ranks) and the
+      same K block of ``wo_b``, which is row-parallel (``row_parallel``: the rank's 8 / size K
+      segments' fp32 partials, all-gathered, added in segment order);
+    * routed experts ``experts`` (expert parallel): other ranks' slots stay exact zeros and
+      ``reduce`` (an all-reduce) fills them; shared experts replicated."""
+
+    size: int
+    rank: int
+    experts: range
+    row_parallel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, K/size], w [N, K/size])
+    gather_heads: Callable[[torch.Tensor], torch.Tensor]  # [T, H/size, D] -> [T, H, D] (rank order)
+    reduce: Callable[[torch.Tensor], torch.Tensor]  # sum over ranks (one non-zero term per element)
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -372,10 +396,36 @@ def attn_output(c: V4Config, w: Getter, layer: int, o: torch.Tensor, positions: 
     cos, sin = rope_tables(c, layer, positions)
     o = _rope_tail(o, cos, -sin)
     G, R = c.o_groups, c.o_lora_rank
-    grouped = o.reshape(T, G, -1)
     wo_a = w("attn.wo_a.weight")
+    if c.tp is not None:
+        return _attn_output_tp(c, w, o, wo_a)
+    grouped = o.reshape(T, G, -1)
     mid = torch.cat([kernels.linear(grouped[:, g], wo_a[g * R : (g + 1) * R]) for g in range(G)], dim=-1)
     return kernels.linear(mid, w("attn.wo_b.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+
+def _attn_output_tp(c: V4Config, w: Getter, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+    """The grouped output on one TP rank (:class:`TPShard`): ``o [T, H/size, D]`` the rank's heads
+    (RoPE undone), ``wo_a`` its rows ``lo .. lo + n`` of the full ``[G * R, H * D / G]``. Each
+    output row is computed from its whole group's heads with the TP=1 K chain (``kernels.linear`` is
+    invariant in N), so ``mid`` is exactly the rank's K block of the TP=1 ``mid``."""
+    tp = c.tp
+    T = o.shape[0]
+    G, R = c.o_groups, c.o_lora_rank
+    n = G * R // tp.size
+    lo = tp.rank * n
+    hpg = c.num_heads * tp.size // G  # heads per group
+    if G % tp.size == 0:  # the rank's rows are its own heads' groups
+        src, head0 = o, tp.rank * c.num_heads
+    else:  # a group spans ranks: every rank needs that group's heads
+        src, head0 = tp.gather_heads(o.contiguous()), 0
+    parts = []
+    for g in range(lo // R, (lo + n - 1) // R + 1):
+        a, b = max(lo, g * R), min(lo + n, (g + 1) * R)
+        x = src[:, g * hpg - head0 : (g + 1) * hpg - head0].reshape(T, -1)
+        parts.append(kernels.linear(x, wo_a[a - lo : b - lo]))
+    mid = torch.cat(parts, dim=-1)
+    return tp.row_parallel(mid, w("attn.wo_b.weight"))
 
 
 def expert(c: V4Config, w: Getter, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -419,7 +469,11 @@ def routed_outputs(c: V4Config, w: Getter, x: torch.Tensor, ids: torch.Tensor,
 def moe_forward(c: V4Config, w: Getter, layer: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     ids, wts = route(c, w, layer, x, input_ids)
     shared = expert(c, w, x, "ffn.shared_experts.") if c.n_shared_experts else None
-    return kernels.moe_combine(routed_outputs(c, w, x, ids), wts, shared, out_dtype=x.dtype)
+    if c.tp is None:
+        routed = routed_outputs(c, w, x, ids)
+    else:  # expert parallel: this rank's slots, then the exact sum over the ranks
+        routed = c.tp.reduce(routed_outputs(c, w, x, ids, owned=c.tp.experts))
+    return kernels.moe_combine(routed, wts, shared, out_dtype=x.dtype)
 
 
 def hc_args(c: V4Config, w: Getter, which: str) -> tuple:

@@ -15,6 +15,25 @@ fused CPU kernels (its ``fast`` counterpart).
 
 Cost: compressed entries are re-pooled from the payloads at every step (cheap elementwise work, no
 GEMM); the cache holds all tokens, not only the sliding window.
+
+Tensor parallelism (``TP_SHARDED``, vLLM tensor_parallel_size t > 1; docs/tp.md "DeepSeek-V4"), what
+stock vLLM's V4 splits, every logprob bitwise the TP=1 one (:class:`kernels.models.dsv4.TPShard`):
+* query heads: rank r holds heads ``r*H/t ..``: the ``wq_b`` rows of those heads (column-parallel,
+  ``kernels.linear`` is invariant in N) and their ``attn_sink`` entries; ``wq_a`` / ``q_norm``
+  replicated (every rank needs the whole q latent);
+* the one shared KV head (``wkv`` / ``kv_norm``), the compressors and the lightning indexer
+  (``indexer.wq_b`` / ``weights_proj``: its score sums over all indexer heads) are replicated, as
+  stock vLLM replicates them; so is the payload cache (the same rows on every rank, like an MQA
+  head that cannot be split);
+* grouped output: rank r holds rows ``r*G*R/t ..`` of ``wo_a`` (whole groups when t divides G; at
+  t > G part of one group, whose heads are then all-gathered) and the same K block of ``wo_b``,
+  row-parallel through the 8-segment contract (``_row_parallel``: the rank's 8/t segment partials,
+  all-gathered in rank = segment order, added in order, rounded once);
+* routed experts split whole over the ranks (rank r: experts ``r*E/t ..``), their ``[T, k, H]`` slot
+  outputs all-reduced (one non-zero term per element: exact), ``kernels.moe_combine`` on every rank;
+  the router (gate, bias, hash table), the shared expert, hyper-connections, norms, embedding and
+  head replicated.
+``_tp_config`` refuses sizes that cannot split (one line naming the key).
 """
 
 from __future__ import annotations
@@ -29,21 +48,32 @@ from vllm.model_executor.layers.attention import Attention
 
 import kernels
 
+import dataclasses
+import re
+
 from kernels.models import dsv4 as R
-from ._model import LogitsScale, RZAlignedForCausalLM
+from ._model import LogitsScale, RZAlignedForCausalLM, _all_reduce, _tp_info
 from .attention_backend import RZAlignedAttentionBackend
+
+
+# Parameters split over the TP ranks: name -> the dimension split (the rest is replicated)
+_TP_SPLIT = re.compile(r"^layers\.\d+\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)$")
+_TP_DIM = {"wq_b.weight": 0, "attn_sink": 0, "wo_a.weight": 0, "wo_b.weight": 1}
+_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
 
 
 class RZAlignedDeepseekV4ForCausalLM(nn.Module):
     CACHE_HEAD = 128
+    # Sharded over vLLM's tensor-parallel group (module docstring); False: every worker whole.
+    TP_SHARDED = True
     # Hooks for subclasses (DeepSeek-V4.1, deepseek_v41.py); the V4 defaults change nothing.
     PAYLOAD_EXTRA = 0  # payload columns past the widest layer's (cached per token, ignored by attention)
 
     def _read_config(self, hf_config):
         return R.v4_config(hf_config)
 
-    def _build_parameter_tree(self, c, make) -> None:
-        R.build_parameter_tree(self, c, make)
+    def _build_parameter_tree(self, c, make, include=None) -> None:
+        R.build_parameter_tree(self, c, make, include=include)
 
     def _on_history(self, i: int, a: int, b: int, q_positions: torch.Tensor, history: torch.Tensor) -> None:
         """Called with each sequence's payload history in layer ``i`` (rows ``a:b`` of the batch)."""
@@ -54,10 +84,14 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         self.c = c = self._read_config(self.config)
         dtype = vllm_config.model_config.dtype
         self.cache_config = vllm_config.cache_config
-        # State of the shared RZAlignedForCausalLM.load_weights: this class keeps every weight whole
-        # (no tensor-parallel shards), has no FP8 weight cache and no packed GPU weights.
-        self.rz_shards, self.rz_tp, self.rz_fp8, self.rz_fast = {}, 1, None, False
-        Hn, D = c.num_heads, c.head_dim
+        # State of the shared RZAlignedForCausalLM.load_weights: rz_shards (full name -> (dim, start,
+        # length) of this rank's block), no FP8 weight cache, no packed GPU weights.
+        self.rz_shards, self.rz_fp8, self.rz_fast = {}, None, False
+        self.rz_tp, self.rz_rank = _tp_info()
+        self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1
+        # rz_c: what the per-layer functions see (local head count and the TPShard when sharded)
+        self.rz_c = self._tp_config(c) if self.rz_sharded else c
+        Hn, D = self.rz_c.num_heads, c.head_dim
         # One cache width for every layer (vLLM sizes pages per layer; equal pages keep one group),
         # split into KV heads of 128 (vLLM's CPU attention metadata refuses other head sizes, e.g.
         # 1536): the K half then the V half of a row hold the payload.
@@ -66,8 +100,21 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         self.payload, kv_heads = 2 * half, half // hs
         out_heads = kv_heads * -(-Hn * D // half)  # output must hold H * D values; a multiple of kv heads
         kinds = {"model": dtype, "fp32": torch.float32, "int64": torch.int64}
-        self._build_parameter_tree(c, lambda name, shape, kind: nn.Parameter(
-            torch.zeros(shape, dtype=kinds[kind]), requires_grad=False))
+
+        def make(name, shape, kind):
+            m = _TP_SPLIT.match(name) if self.rz_sharded else None
+            if m is not None:
+                dim = _TP_DIM[m.group(1)]
+                n = shape[dim] // self.rz_tp
+                self.rz_shards[name] = (dim, self.rz_rank * n, n)
+                shape = tuple(n if d == dim else s for d, s in enumerate(shape))
+            return nn.Parameter(torch.zeros(shape, dtype=kinds[kind]), requires_grad=False)
+
+        def include(name):  # this rank's routed experts only (under their global ids)
+            m = _EXPERT.match(name)
+            return m is None or int(m.group(1)) in self.rz_c.tp.experts
+
+        self._build_parameter_tree(c, make, include if self.rz_sharded else None)
         for i in range(c.num_layers):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
                 num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,
@@ -75,9 +122,47 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
             )
         self.logits_processor = LogitsScale(c.vocab_size)
 
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    def _tp_config(self, c):
+        """Check that this model splits over tp ranks bitwise; the rank's config (local heads, TPShard)."""
+        tp, r = self.rz_tp, self.rz_rank
+        seg = kernels.ROW_PARALLEL_K_SEGMENTS
+        name = type(self).__name__
+        if seg % tp:
+            raise ValueError(
+                f"{name}: tensor_parallel_size={tp} does not divide ROW_PARALLEL_K_SEGMENTS={seg}: the "
+                f"row-parallel wo_b could not reproduce the TP=1 (and learner) bits. Use a tensor_parallel_size "
+                f"that divides {seg}.")
+        for what, n in {"num_attention_heads": c.num_heads, "n_routed_experts": c.num_experts}.items():
+            if n % tp:
+                raise ValueError(f"{name}: {what}={n} is not divisible by tensor_parallel_size={tp}")
+        K = c.o_groups * c.o_lora_rank  # wo_b's K, split into the contract's segments
+        if K % seg:
+            raise ValueError(
+                f"{name}: o_groups * o_lora_rank={K} (the row-parallel K of wo_b) is not divisible by "
+                f"ROW_PARALLEL_K_SEGMENTS={seg}: run tensor_parallel_size=1")
+        from vllm.distributed import get_tp_group
+
+        ne = c.num_experts // tp
+        shard = R.TPShard(size=tp, rank=r, experts=range(r * ne, (r + 1) * ne), row_parallel=self._row_parallel,
+                          gather_heads=lambda o: get_tp_group().all_gather(o, dim=1), reduce=_all_reduce)
+        return dataclasses.replace(c, num_heads=c.num_heads // tp, tp=shard)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, K/tp], weight [N, K/tp]: this rank's K block; bitwise
+        ``kernels.linear(x_full, W_full, k_segments=ROW_PARALLEL_K_SEGMENTS)`` (docs/tp.md)."""
+        from vllm.distributed import get_tp_group
+
+        local = kernels.ROW_PARALLEL_K_SEGMENTS // self.rz_tp
+        step = x.shape[-1] // local
+        mine = torch.stack([kernels.linear_partial(x[..., j * step:(j + 1) * step], weight[:, j * step:(j + 1) * step])
+                            for j in range(local)], dim=0)
+        allp = get_tp_group().all_gather(mine.contiguous(), dim=0)  # rank order = segment order
+        return kernels.finish_linear(kernels.sum_partials(list(allp.unbind(0))), None, x.dtype)
+
     # ---- attention through the paged payload cache ---------------------------------------------
     def _attend(self, i: int, layer: nn.Module, state: dict, positions: torch.Tensor) -> torch.Tensor:
-        c = self.c
+        c = self.rz_c
         T = state["q"].shape[0]
         payload = state["payload"]
         if payload.shape[1] < self.payload:
@@ -115,7 +200,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("aligned DeepSeek-V4 needs input_ids (hash routing reads the token ids)")
-        c = self.c
+        c = self.rz_c
         streams = R.embed(c, self.embed.weight, input_ids)
         for i in range(c.num_layers):
             layer = self.get_submodule(f"layers.{i}")

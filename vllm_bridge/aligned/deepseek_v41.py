@@ -48,8 +48,8 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
     def _read_config(self, hf_config):
         return R.v41_config(hf_config)
 
-    def _build_parameter_tree(self, c, make) -> None:
-        R.build_parameter_tree(self, c, make)
+    def _build_parameter_tree(self, c, make, include=None) -> None:
+        R.build_parameter_tree(self, c, make, include=include)
 
     # ---- token ids through layer 0's payload ---------------------------------------------------
     def _attend(self, i: int, layer: nn.Module, state: dict, positions: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
     ) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("aligned DeepSeek-V4.1 needs input_ids (hash routing and engram read the token ids)")
-        c = self.c
+        c = self.rz_c  # the rank's config when tensor parallel (deepseek_v4's docstring)
         T = input_ids.shape[0]
         self._ids = input_ids
         # filled per sequence by layer 0's attention (zeros, a valid row, on vLLM's profiling run)
