@@ -26,13 +26,15 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
     + plan.overhead_gb (CUDA context, NCCL buffers, fragmentation)
   rollout, one engine over rollout.tensor_parallel_size GPUs (engine_tp):
     weights    mode=fast (stock vLLM, everything sharded): total params * b / engine_tp
-               mode=aligned, TP-sharded classes (Qwen3-MoE / Qwen3 dense and DeepSeek-V3, blockwise
-               FP8 included; vllm_bridge/aligned/_model.py): (replicated + sharded / engine_tp) * b,
-               sharded = q/k/v/o (Qwen3) or q_b_proj (q_proj) / kv_b_proj / o_proj (DeepSeek-V3 MLA),
-               dense MLPs and routed experts; replicated = embeddings, lm_head, norms, router, shared
-               experts and DeepSeek-V3's latent projections q_a_proj / kv_a_proj_with_mqa;
-               mode=aligned otherwise (Qwen2, DeepSeek-V4): the whole model on every TP worker
-               (engine_tp counts as 1)
+               mode=aligned, TP-sharded classes (Qwen3-MoE / Qwen3 dense, DeepSeek-V3 (blockwise
+               FP8 included; vllm_bridge/aligned/_model.py) and DeepSeek-V4 / V4.1 (deepseek_v4.py)):
+               (replicated + sharded / engine_tp) * b, sharded = q/k/v/o (Qwen3) or q_b_proj (q_proj)
+               / kv_b_proj / o_proj (DeepSeek-V3 MLA) or wq_b / attn_sink / wo_a / wo_b (V4), dense
+               MLPs and routed experts; replicated = embeddings, lm_head, norms, router, shared
+               experts, DeepSeek-V3's latent projections q_a_proj / kv_a_proj_with_mqa, V4's wq_a,
+               shared KV head (wkv), compressors, indexer, hyper-connections (and V4.1's engram);
+               mode=aligned otherwise (Qwen2): the whole model on every TP worker (engine_tp
+               counts as 1)
     fp8_weights  model.fp8=blockwise (aligned): the FP8 linears' e4m3 copies next to the model-dtype
                parameters, (1 + 4 / 128^2) bytes per element (scale per 128x128 block), the TP-split
                ones / engine_tp, shared experts and MLA's latent projections whole
@@ -42,12 +44,16 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                  MLA   fast: (kv_lora_rank + rope) * b * layers (vLLM's latent cache, on each TP rank);
                        aligned: the expanded per-head cache, V zero-padded to the K head size,
                        2 * (heads / engine_tp) * (qk_nope + qk_rope) * b * layers
-                 V4    the compressed entries in fp8: (head_dim + index_head_dim) / 4 per CSA layer
-                       and head_dim / 128 per HCA layer, plus the sliding window per sequence
+                 V4    fast: the compressed entries in fp8: (head_dim + index_head_dim) / 4 per CSA
+                       layer and head_dim / 128 per HCA layer, plus the sliding window per sequence;
+                       aligned: one payload row per token and layer (key + compressor / indexer
+                       rows, padded to a multiple of 256: vllm_bridge/aligned/deepseek_v4.py) in the
+                       model dtype, the same on every TP rank (the one KV head is replicated)
     + plan.overhead_gb
   An aligned TP-sharded engine needs rollout.tensor_parallel_size dividing
   kernels.ROW_PARALLEL_K_SEGMENTS (8) and every split count divisible by it (attention heads, Qwen3's
-  KV heads, routed experts, dense intermediate size; the row-parallel K of o_proj / down_proj by 8;
+  KV heads, routed experts, dense intermediate size; the row-parallel K of o_proj / down_proj (V4:
+  wo_b, o_groups x o_lora_rank) by 8;
   with blockwise FP8 that K by 8 x 128 and every column shard's rows per rank by 128),
   the checks of the class's ``_tp_config``: rollout_tp_errors() names the key and the fix.
 CPU-only components (gpus_per_node: 0) are planned and printed, not checked against a budget.
@@ -209,6 +215,8 @@ def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int, aligned: bool = False)
             heads = math.ceil(m.num_attention_heads / engine_tp)
             return 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * b * m.num_layers, 0.0
         return (m.kv_lora_rank + m.qk_rope_head_dim) * b * m.num_layers, 0.0
+    if aligned and m.arch in ("deepseek_v4", "deepseek_v41"):  # one payload row per token and layer, replicated over TP
+        return _v4_aligned_payload(m) * b * m.num_layers, 0.0
     per_tok = 0.0
     for r in m.compress_ratios:  # fp8 entries (vLLM keeps DeepSeek-V4's cache in fp8)
         if r == 4:
@@ -218,11 +226,25 @@ def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int, aligned: bool = False)
     return per_tok, float(m.num_layers * m.sliding_window * m.head_dim)
 
 
+def _v4_aligned_payload(m: ModelConfig) -> int:
+    """Values the aligned V4 class caches per token and layer: the widest layer's payload (key D;
+    HCA + 2D compressor rows; CSA + 4D compressor and 4 index_head_dim indexer rows; V4.1 + 3 token-id
+    digits) padded to two halves of whole 128-wide cache heads (RZAlignedDeepseekV4ForCausalLM)."""
+    d, di = m.head_dim, m.index_head_dim
+    widths = [d if r == 0 else 3 * d if r == 128 else 5 * d + 4 * di for r in m.compress_ratios[:m.num_layers]]
+    extra = 3 if m.arch == "deepseek_v41" else 0
+    return 2 * (-(-(max(widths or [d]) + extra) // 256) * 128)
+
+
+TP_SHARDED_ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4", "deepseek_v41")
+
+
 def aligned_tp_sharded(recipe: Recipe) -> bool:
     """Whether the rollout's aligned vLLM class shards over tensor parallelism (``TP_SHARDED``, blockwise
-    FP8 included: vllm_bridge/aligned/qwen3_moe.py, deepseek_v3.py); False in mode=fast."""
+    FP8 included: vllm_bridge/aligned/qwen3_moe.py, deepseek_v3.py, deepseek_v4.py / deepseek_v41.py);
+    False in mode=fast."""
     m = recipe.model
-    return recipe.mode == "aligned" and m.arch in ("qwen3_moe", "deepseek_v3")
+    return recipe.mode == "aligned" and m.arch in TP_SHARDED_ARCHS
 
 
 def _fp8_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
@@ -287,6 +309,15 @@ def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
     if seg % tp:
         out.append(("rollout.tensor_parallel_size", f"rollout.tensor_parallel_size={tp} does not divide the "
                     f"{seg} row-parallel K segments (kernels.ROW_PARALLEL_K_SEGMENTS)"))
+    if m.arch in ("deepseek_v4", "deepseek_v41"):  # RZAlignedDeepseekV4ForCausalLM._tp_config
+        for key, n in {"model.num_attention_heads": m.num_attention_heads, "model.num_experts": m.num_experts}.items():
+            if n % tp:
+                out.append((key, f"{key}={n} is not divisible by rollout.tensor_parallel_size={tp}"))
+        k = m.o_groups * m.o_lora_rank  # wo_b's K; the KV head, compressors and indexer are replicated
+        if k % seg:
+            out.append(("model.o_lora_rank", f"model.o_groups * model.o_lora_rank={k} (the row-parallel K of "
+                        f"wo_b) is not divisible by the {seg} row-parallel K segments"))
+        return out
     counts = {"model.num_attention_heads": m.num_attention_heads}
     if m.arch != "deepseek_v3":  # MLA expands K/V per query head: only the query heads are split
         counts["model.num_kv_heads"] = m.num_kv_heads
@@ -340,10 +371,13 @@ def check_rollout_tp(recipe: Recipe) -> None:
 
 def rollout_sharded_params(m: ModelConfig) -> int:
     """Parameters an aligned TP-sharded engine splits over its workers (the rest is replicated):
-    Qwen3 q/k/v/o_proj; DeepSeek-V3 q_b_proj (q_proj) / kv_b_proj / o_proj; dense MLPs, routed experts."""
+    Qwen3 q/k/v/o_proj; DeepSeek-V3 q_b_proj (q_proj) / kv_b_proj / o_proj; DeepSeek-V4 wq_b /
+    attn_sink / wo_a / wo_b; dense MLPs, routed experts."""
     h, n = m.hidden_size, m.num_attention_heads
     if m.arch == "qwen3_moe":
         attn = h * n * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim + n * m.head_dim * h
+    elif m.arch in ("deepseek_v4", "deepseek_v41"):  # wq_b, attn_sink, wo_a (by rows), wo_b (by K)
+        attn = m.q_lora_rank * n * m.head_dim + n + n * m.head_dim * m.o_lora_rank + m.o_groups * m.o_lora_rank * h
     else:
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         attn = ((h if m.q_lora_rank is None else m.q_lora_rank) * n * qk
@@ -456,10 +490,10 @@ def make_plan(recipe: Recipe) -> Plan:
 
     # ---- rollout memory per GPU
     # Stock vLLM (fast) shards everything over the engine's TP workers. The aligned classes
-    # (vllm_bridge.aligned) with TP_SHARDED (Qwen3-MoE, DeepSeek-V3; blockwise FP8 too) shard
-    # attention heads (and the KV cache), dense MLPs and routed experts, and replicate embeddings,
-    # lm_head, norms, router, shared experts and MLA's latent projections; the others (Qwen2,
-    # DeepSeek-V4) hold the whole model on every worker. FP8: the e4m3 copies come on top.
+    # (vllm_bridge.aligned) with TP_SHARDED (Qwen3-MoE, DeepSeek-V3, blockwise FP8 too; DeepSeek-V4)
+    # shard attention heads (and the KV cache, but V4's one KV head's payload cache), dense MLPs and
+    # routed experts, and replicate embeddings, lm_head, norms, router, shared experts and the latent
+    # projections; Qwen2 holds the whole model on every worker. FP8: the e4m3 copies come on top.
     sharded_aligned = aligned_tp_sharded(recipe)
     if recipe.mode == "fast":
         shard, split = etp, params.total

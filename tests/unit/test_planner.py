@@ -122,9 +122,10 @@ def test_tiny_recipe_on_cpu_nodes_is_planned_not_budgeted():
         # the recipe's rollout TP 16 in mode=aligned: beyond what the aligned DeepSeek-V3 class shards over
         ("deepseek_v3_671b", ["mode=aligned"], ["rollout.tensor_parallel_size=16 does not divide the 8",
                                                 "use rollout.tensor_parallel_size=1/2/4/8"]),
-        # aligned mode: the aligned DeepSeek classes are not tensor parallel (whole model per worker)
-        ("deepseek_v4_flash", ["mode=aligned"], ["rollout engine needs", "in mode=aligned every tensor-parallel worker",
-                                                 "use mode=fast"]),
+        # the aligned DeepSeek-V4 class shards (docs/tp.md), but not over 4 GPUs at this size
+        ("deepseek_v4_flash", ["mode=aligned", "rollout.tensor_parallel_size=4", "rollout.num_engines=8"],
+         ["rollout engine needs 182.6 GiB per GPU (weights 136.6 over tensor_parallel_size=4",
+          "raise rollout.tensor_parallel_size (to 8)"]),
         # weights of 671B in bf16 over 8 GPUs per engine
         ("deepseek_v3_671b", ["rollout.tensor_parallel_size=8", "rollout.num_engines=4"],
          ["rollout engine needs", "tensor_parallel_size=8"]),
@@ -173,7 +174,7 @@ def test_bad_cluster_settings_fail_at_load(overrides, fragment):
 
 def test_aligned_rollout_sharding_in_the_plan():
     """Aligned Qwen3-MoE at TP 2 divides the rollout weights (all but embeddings/lm_head, norms and
-    router) and the KV cache per GPU; an aligned replicated class (DeepSeek-V4) at TP > 1 does not
+    router) and the KV cache per GPU; an aligned replicated class (Qwen2) at TP > 1 does not
     (whole model per worker, a note)."""
     r = _recipe("qwen3_30b_a3b")
     one = make_plan(r)
@@ -188,10 +189,12 @@ def test_aligned_rollout_sharding_in_the_plan():
     assert abs(two.rollout_mem["weights"] - (replicated + sharded / 2) * 2 / 2**30) < 1e-6
     assert two.rollout_seqs_fit > 1.9 * one.rollout_seqs_fit
     big = ["cluster.rollout.gpu_memory_gb=2000", "cluster.learner.gpu_memory_gb=2000"]
-    v4 = make_plan(_recipe("deepseek_v4_flash", "mode=aligned", *big))
-    fast = make_plan(_recipe("deepseek_v4_flash", *big))
-    assert abs(v4.rollout_mem["weights"] - 8 * fast.rollout_mem["weights"]) < 1e-6
-    assert any("not sharded yet" in n for n in v4.notes)
+    q2 = ["rollout.tensor_parallel_size=2", "rollout.num_engines=4", "cluster.rollout.nodes=1",
+          "cluster.rollout.gpus_per_node=8", *big]
+    rep = make_plan(_recipe("r1_distill_qwen_1p5b", "mode=aligned", *q2))
+    fast = make_plan(_recipe("r1_distill_qwen_1p5b", "mode=fast", *q2))
+    assert abs(rep.rollout_mem["weights"] - 2 * fast.rollout_mem["weights"]) < 1e-6
+    assert any("not sharded yet" in n for n in rep.notes)
 
 
 @pytest.mark.parametrize("lag", [2, 8])

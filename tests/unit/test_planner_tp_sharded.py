@@ -2,6 +2,7 @@
 per-GPU weights and KV cache as the sharded classes hold them, and the refusals of a rollout
 tensor-parallel size those classes' ``_tp_config`` would reject, at planning time in one line."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,46 @@ def test_sharded_tp_refusals_name_the_key(name, overrides, fragment):
     with pytest.raises(PlanError) as e:
         make_plan(r)
     assert fragment in str(e.value), str(e.value)
+
+
+def _v4_engine_split(r):
+    """Elements the aligned V4 engine splits over its TP ranks, from the engine's own parameter table
+    (kernels.models.dsv4.parameter_shapes; the names vllm_bridge/aligned/deepseek_v4.py shards)."""
+    import re
+
+    from kernels.models import dsv4
+    from megatron_rz.learner.tiny_models import hf_config
+
+    split = re.compile(r"^layers\.\d+\.(attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)|ffn\.experts\.)")
+    shapes = dsv4.parameter_shapes(dsv4.v4_config(hf_config(r.model, 1, 0)))
+    return sum(math.prod(s) for name, (s, _) in shapes.items() if split.match(name))
+
+
+def test_aligned_deepseek_v4_flash_at_tp8_fits_an_h200():
+    """The tensor-parallel aligned V4 class (docs/tp.md "DeepSeek-V4"): heads (wq_b, attn_sink), wo_a by
+    rows, wo_b by K and routed experts split over 8, the rest replicated; the payload cache (one KV head)
+    whole on every rank. 71.0 GiB of weights per GPU (575.6 GiB replicated), 117.0 GiB with 40 GiB of
+    cache and the overhead: fits the 139 GiB of an H200."""
+    r = _recipe("deepseek_v4_flash", "mode=aligned")
+    m, plan = r.model, make_plan(r)
+    c, split = count_params(m), rollout_sharded_params(m)
+    assert split == _v4_engine_split(r)
+    assert abs(plan.rollout_mem["weights"] - (c.total - split + split / 8) * 2 / GiB) < 1e-6
+    assert 71.0 < plan.rollout_mem["weights"] < 71.1
+    assert 117.0 < sum(plan.rollout_mem.values()) < 117.1 <= r.cluster.rollout.gpu_memory_gb
+    # payload per token and layer: CSA key 512 + compressor 4 x 512 + indexer 4 x 128 = 3072 (a
+    # multiple of 256), bf16, 43 layers, replicated over the 8 ranks
+    assert abs(plan.rollout_seqs_fit - 40 * GiB / (16384 * 3072 * 2 * 43)) < 1e-6
+    assert not any("not sharded yet" in n for n in plan.notes)
+
+
+def test_aligned_deepseek_v4_refusals_in_one_line():
+    check_rollout_tp(_recipe("tiny_dsv4", "rollout.tensor_parallel_size=4"))  # 16 heads, 64 experts, K 128
+    for overrides, key in [(["model.num_experts=6", "model.top_k=2"], "model.num_experts=6 is not divisible"),
+                           (["model.o_groups=1", "model.o_lora_rank=63"], "model.o_groups * model.o_lora_rank=63"),
+                           (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size=3 does not divide")]:
+        ov = ["rollout.tensor_parallel_size=4", *overrides] if "tensor_parallel_size" not in overrides[0] else overrides
+        with pytest.raises(PlanError) as e:
+            check_rollout_tp(_recipe("tiny_dsv4", *ov))
+        msg = str(e.value)
+        assert "\n" not in msg and key in msg and "mode=fast" in msg, msg
