@@ -224,3 +224,58 @@ def test_unsupported_tp_is_refused_clearly():
         with pytest.raises(ValueError, match=msg) as e:
             m._tp_config(dataclasses.replace(c, **change))
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(os.environ.get("RZ_TEST_DSV41_TP2") != "1", reason="opt in: RZ_TEST_DSV41_TP2=1 (~1 min)")
+def test_dsv41_tp2_equals_reference_bitwise(tmp_path):
+    """DeepSeek-V4.1 inherits the sharding (RZAlignedDeepseekV41ForCausalLM): the tiny V4.1 of
+    test_aligned_vllm_dsv41.py (engram layers, sliding window) at TP=2 == the reference, generated and
+    prompt logprobs (started with vllm.LLM as that test does: engine.py has no V4.1 entry)."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kernels.models import dsv41
+    from kernels.models.qwen3_dsv3 import load_state_dict
+    from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
+    from vllm_bridge.engine import _env
+
+    make_tiny_dsv41_checkpoint(tmp_path, seed=0)
+    c = dsv41.v41_config(tmp_path)
+    sd, tm = load_state_dict(str(tmp_path)), dsv41.token_map_of(tmp_path, c)
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {"VLLM_MLA_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "RZ_ALIGNED_SAMPLER": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1 % len(cpus)]}"}
+    with _env(env):
+        llm = LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
+                  max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=64 << 20, seed=0, tensor_parallel_size=2,
+                  worker_extension_cls="vllm_bridge.worker_ext.WeightSyncExtension",
+                  hf_overrides={"architectures": ["RZAlignedDeepseekV41ForCausalLM"]})
+    try:
+        shapes = llm.collective_rpc("rz_param_shapes")
+        assert shapes[0]["layers.0.attn.wq_b.weight"][0] * 2 == c.num_heads * c.head_dim
+        assert not any(".ffn.experts.4." in n for n in shapes[0]) and any(".ffn.experts.4." in n for n in shapes[1])
+        sp = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, n=N_SAMPLES, logprobs=0, ignore_eos=True, seed=SEED)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+        n_gen = n_pl = 0
+        for p, o in zip(PROMPTS, outs):
+            for s in o.outputs:
+                ids = list(s.token_ids)
+                seq = p + ids
+                want = dsv41.reference_logprobs(sd, c, torch.tensor([seq]), 1.0, token_map=tm)[0]
+                got = torch.tensor([lp[t].logprob for lp, t in zip(s.logprobs, ids)])
+                assert torch.equal(got, want[len(p):]), p
+                pl = llm.generate([TokensPrompt(prompt_token_ids=seq)],
+                                  SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0),
+                                  use_tqdm=False)[0].prompt_logprobs
+                assert torch.equal(torch.tensor([pl[j][seq[j]].logprob for j in range(1, len(seq))]), want[1:])
+                n_gen, n_pl = n_gen + len(ids), n_pl + len(seq) - 1
+        print(f"\nV4.1 TP=2: {n_gen}/{n_gen} generated and {n_pl}/{n_pl} prompt logprobs bitwise the reference")
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del llm
+        gc.collect()

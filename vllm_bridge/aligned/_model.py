@@ -14,8 +14,9 @@ paged cache and runs ``kernels.attention`` per sequence.
 
 Tensor parallelism (classes with ``TP_SHARDED = True``, today Qwen3-MoE and DeepSeek-V3, when vLLM's
 tensor_parallel_size > 1, blockwise FP8 included): each rank holds a shard and every logprob stays
-bitwise the TP=1 one. The other classes (Qwen2, DeepSeek-V4) are replicated on every TP worker (each
-computes the whole model: also bitwise TP=1, no memory saved).
+bitwise the TP=1 one. DeepSeek-V4 / V4.1 (deepseek_v4.py, its own base class) shard too, with the
+same row-parallel contract and expert split (that module's docstring). Qwen2 is replicated on every
+TP worker (each computes the whole model: also bitwise TP=1, no memory saved).
 Blockwise FP8 (docs/tp.md "FP8"): the FP8 weight cache quantises each rank's shard (its 128x128 blocks
 are the full tensor's: ``_tp_config`` requires rows per rank of column shards and the K per rank of
 row-parallel shards to be multiples of 128); o_proj and dense down_proj use the row-parallel FP8 form
