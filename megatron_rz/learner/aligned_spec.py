@@ -745,6 +745,9 @@ def row_parallel_ks(m) -> dict:
         ks["model.o_groups * model.o_lora_rank"] = m.o_groups * m.o_lora_rank
     elif m.arch == "deepseek_v3":
         ks["model.num_attention_heads * model.v_head_dim"] = m.num_attention_heads * m.v_head_dim
+    elif m.arch == "kimi_k3":  # MLA o_proj and KDA o_proj (KDA heads = num_attention_heads of head_dim)
+        ks["model.num_attention_heads * model.v_head_dim"] = m.num_attention_heads * m.v_head_dim
+        ks["model.num_attention_heads * model.head_dim"] = m.num_attention_heads * m.head_dim
     else:
         ks["model.num_attention_heads * model.head_dim"] = m.num_attention_heads * m.head_dim
     if m.num_experts:

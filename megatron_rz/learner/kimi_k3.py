@@ -255,8 +255,11 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
     from kernels.models import dsv4
     from megatron_rz.learner.deepseek_v4 import transformer_config
 
+    from megatron_rz.learner.aligned_spec import check_aligned_supported
+
     c, full_gate = read_config(hf_dir)
     check_supported(parallel, c.num_experts)
+    check_aligned_supported(model_cfg, parallel)  # row-parallel K by 8, named by recipe key
     shapes = R.parameter_shapes(c, full_rank_gate=full_gate)
     config = transformer_config(model_cfg, parallel)
     dtype = getattr(torch, model_cfg.dtype)
