@@ -14,7 +14,15 @@ the same batch) a fresh stock engine loaded from the updated checkpoint.
 Reading vLLM 0.26 points to the naming artefact: ``MoERunner.load_weights`` returns the names its
 ``RoutedExperts.load_weights`` yields (``w13_weight``, relative to the RoutedExperts module), so
 the loader records ``...mlp.experts.w13_weight`` while the parameter is
-``...mlp.experts.routed_experts.w13_weight``. Not yet confirmed by this test on the H200 (docs/gpu.md).
+``...mlp.experts.routed_experts.w13_weight``.
+
+Measured on the H200 (2026-12-02, moe1b, 8 x 48-token sequences): the scores moved by up to 1.49
+after the expert-only update (had the experts been skipped they would not have moved at all), and
+differ from the fresh engine's by up to 0.137, i.e. 9% of the move: stock bf16 kernels' noise
+between two engines (not batch invariant, other CUDA graphs), well below what a skipped update
+gives (the whole move). The first version of this test asked for < 0.1 absolute and failed on
+that noise; the bound is now relative to the move. So the warning is a naming artefact and fast
+mode's weight sync does update the routed experts.
 """
 
 import os
@@ -70,4 +78,5 @@ def test_stock_in_place_reload_updates_routed_experts(moe_ckpt, tmp_path):
     moved = (after - before).abs().max().item()
     off = (after - fresh).abs().max().item()
     assert moved > 0.5, f"the stock engine's scores did not follow the expert update (max change {moved})"
-    assert off < 0.1, f"in-place reload != fresh load of the same weights (max |diff| {off}, moved {moved})"
+    # skipped experts: off == moved; updated: off is the stock engines' bf16 noise (measured 0.137 / 1.49)
+    assert off < 0.25 * moved, f"in-place reload != fresh load of the same weights (max |diff| {off}, moved {moved})"
