@@ -111,17 +111,19 @@ def runs(tmp_path_factory):
     new = {k: (v * SCALE if v.is_floating_point() else v) for k, v in sd.items()}
     r = {tp: _run(ckpt, tp, new) for tp in TPS}
     print("\n" + ", ".join(f"TP={tp}: start {r[tp]['start_s']:.1f} s, total {r[tp]['total_s']:.1f} s" for tp in TPS))
-    return {"runs": r, "c": R.v4_config(str(ckpt)), "sd": {"before": sd, "after": new}}
+    return {"runs": r, "c": R.v4_config(str(ckpt)), "sd": {"before": sd, "after": new}, "logits": {}}
 
 
 def _reference(e: dict, phase: str, ids: list[int], temperature: float) -> torch.Tensor:
     """Reference logprobs of ``ids`` (position 0: 0). At T != 1 as RolloutEngine.score applies the
     temperature to prompt logprobs: the model's logits times 1/T (LogitsScale), then log_softmax."""
-    if temperature == 1.0:
-        return R.reference_logprobs(e["sd"][phase], e["c"], torch.tensor([ids]), 1.0)[0]
-    logits = R.reference_logits(e["sd"][phase], e["c"], torch.tensor([ids]))[0] * (1.0 / temperature)
-    t = torch.tensor(ids)
-    return torch.cat([torch.zeros(1), kernels.logprobs_from_logits(logits[:-1], t[1:], 1.0)])
+    key = (phase, tuple(ids))
+    if key not in e["logits"]:  # one reference forward per sequence and weights
+        e["logits"][key] = R.reference_logits(e["sd"][phase], e["c"], torch.tensor([ids]))[0]
+    logits, t = e["logits"][key][:-1], torch.tensor(ids)[1:]
+    if temperature != 1.0:
+        logits = logits * (1.0 / temperature)
+    return torch.cat([torch.zeros(1), kernels.logprobs_from_logits(logits, t, 1.0)])
 
 
 @pytest.mark.parametrize("tp", TPS)
