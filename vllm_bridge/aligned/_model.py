@@ -110,7 +110,7 @@ def fp8_tp_problems(c: ref.ArchConfig, tp: int) -> list[tuple[str, str]]:
     return out
 
 
-def _tp_info() -> tuple[int, int]:
+def tp_info() -> tuple[int, int]:
     """(world size, rank) of vLLM's tensor-parallel group; (1, 0) outside a vLLM worker."""
     from vllm.distributed import parallel_state as ps
 
@@ -119,7 +119,7 @@ def _tp_info() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
-def _all_reduce(y: torch.Tensor) -> torch.Tensor:
+def tp_all_reduce(y: torch.Tensor) -> torch.Tensor:
     from vllm.distributed import get_tp_group
 
     return get_tp_group().all_reduce(y)
@@ -217,7 +217,7 @@ class RZAlignedForCausalLM(nn.Module):
         self.cache_config = vllm_config.cache_config
         dtype = vllm_config.model_config.dtype
         self.rz_dtype = dtype
-        self.rz_tp, self.rz_rank = _tp_info()
+        self.rz_tp, self.rz_rank = tp_info()
         # Blockwise FP8 shards too (docs/tp.md "FP8": row-parallel layers use 8 per-segment chains)
         self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1
         # full HF parameter name -> (dim, start, length): the slice of the full tensor this rank holds
@@ -231,7 +231,7 @@ class RZAlignedForCausalLM(nn.Module):
         tp, r = self.rz_tp, self.rz_rank
         if self.rz_sharded and c.num_experts:
             n = c.num_experts // tp
-            self.rz_ep = ref.ExpertShard(local=range(r * n, (r + 1) * n), reduce=_all_reduce)
+            self.rz_ep = ref.ExpertShard(local=range(r * n, (r + 1) * n), reduce=tp_all_reduce)
         H = c.hidden_size
         self.model = nn.Module()
         self.model.embed_tokens = Params(dtype, weight=(c.vocab_size, H))

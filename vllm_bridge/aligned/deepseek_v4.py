@@ -52,7 +52,7 @@ import dataclasses
 import re
 
 from kernels.models import dsv4 as R
-from ._model import LogitsScale, RZAlignedForCausalLM, _all_reduce, _tp_info
+from ._model import LogitsScale, RZAlignedForCausalLM, tp_all_reduce, tp_info
 from .attention_backend import RZAlignedAttentionBackend
 
 
@@ -87,7 +87,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         # State of the shared RZAlignedForCausalLM.load_weights: rz_shards (full name -> (dim, start,
         # length) of this rank's block), no FP8 weight cache, no packed GPU weights.
         self.rz_shards, self.rz_fp8, self.rz_fast = {}, None, False
-        self.rz_tp, self.rz_rank = _tp_info()
+        self.rz_tp, self.rz_rank = tp_info()
         self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1
         # rz_c: what the per-layer functions see (local head count and the TPShard when sharded)
         self.rz_c = self._tp_config(c) if self.rz_sharded else c
@@ -145,7 +145,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
 
         ne = c.num_experts // tp
         shard = R.TPShard(size=tp, rank=r, experts=range(r * ne, (r + 1) * ne), row_parallel=self._row_parallel,
-                          gather_heads=lambda o: get_tp_group().all_gather(o, dim=1), reduce=_all_reduce)
+                          gather_heads=lambda o: get_tp_group().all_gather(o, dim=1), reduce=tp_all_reduce)
         return dataclasses.replace(c, num_heads=c.num_heads // tp, tp=shard)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
