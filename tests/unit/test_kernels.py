@@ -510,8 +510,11 @@ def test_moe_row_invariant(layout, dtype, seed, with_shared):
     ref = sum(w[i, j] * mlp(x[i], wg[ids[i, j]], wu[ids[i, j]], wd[ids[i, j]]) for j in range(KTOP))
     if shared:
         ref = ref + mlp(x[i], *shared[0])
-    tol = 1e-5 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(alone.float(), ref, rtol=tol, atol=tol)
+    # bf16: every activation is rounded (bf16 eps 2^-8), so the error scales with the output's size,
+    # not each element's (hypothesis found an element of 0.5 off by 0.083 where the output reached 18)
+    scale = float(ref.abs().max().clamp_min(1.0))
+    tol = (1e-5 if dtype == torch.float32 else 1e-2) * scale
+    torch.testing.assert_close(alone.float(), ref, rtol=0, atol=tol)
 
 
 @SETTINGS
