@@ -155,8 +155,8 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     recipe = _load(args)
     extra = ["--prompts", str(args.prompts), "--samples", str(args.samples)]
-    if args.inject_fault:
-        extra += ["--inject-fault", args.inject_fault]
+    for fault in args.inject_fault or []:
+        extra += ["--inject-fault", fault]
     rc = _relaunch_under_torchrun(recipe, ["check", args.recipe, *args.overrides, *extra])
     if rc is not None:
         return rc
@@ -287,9 +287,10 @@ def _main(argv: list[str]) -> int:
     _recipe_args(p)
     p.add_argument("--prompts", type=_positive, default=16)
     p.add_argument("--samples", type=_positive, default=4)
-    p.add_argument("--inject-fault", metavar="SIDE:PARAM", default=None,
+    p.add_argument("--inject-fault", metavar="SIDE:PARAM", default=None, action="append",
                    help="self-test of the localiser: scale one parameter (vllm:HF name or learner:Megatron "
-                        "name) by 1+2^-8 on that side only; the report must name its layer and op")
+                        "name) by 1+2^-8 on that side only; the report must name its layer and op "
+                        "(repeatable: e.g. one fault per side)")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async lag 2 vs sync)")
     p.add_argument("what", choices=["rollout", "async"])

@@ -8,8 +8,9 @@ replays one mismatching sequence through vLLM alone, the learner and the kernels
 forward with activation taps, and names the first layer and op where each side leaves the
 reference.
 
-`inject_fault` ("vllm:NAME" or "learner:NAME") scales one parameter on one side by 1 + 2**-8
-before the check: the localiser's self-test (the report must then name that parameter's op).
+`inject_fault` ("vllm:NAME" or "learner:NAME"; one or a list, e.g. one per side) scales one
+parameter on one side by 1 + 2**-8 before the check: the localiser's self-test (the report must
+then name that parameter's op, on each side independently).
 "vllm:sampling.KEY=VALUE" / "learner:sampling.KEY=VALUE" (KEY temperature, top_k or top_p) makes
 that side sample / score with one sampling parameter changed: the report must then name the
 sampling stage.
@@ -103,9 +104,10 @@ def _with_sampling(recipe: Recipe, setting: dict | None) -> Recipe:
     return Recipe.model_validate(data)  # the contract checks apply to every grid point
 
 
-def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fault: str | None = None,
+def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fault: str | list[str] | None = None,
               sampling_grid: list[dict] | None = None) -> dict:
-    """One learner and one engine. ``sampling_grid``: rollout sampling settings (e.g.
+    """One learner and one engine. ``inject_fault``: one fault or a list (e.g. one per side: each
+    side's localisation is independent, both are reported). ``sampling_grid``: rollout sampling settings (e.g.
     ``[{"top_p": 0.9, "temperature": 0.7}, {"top_k": 5}]``) checked one after another on the same
     engine; the report then has one entry per setting under "grid". A setting may carry its own
     ``"inject_fault": "vllm:sampling.top_p=0.8"`` (sampling faults only)."""
@@ -130,9 +132,13 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
 
         rollout_dir = fp8_checkpoint(base, recipe.model.fp8, run_dir / f"base_model_fp8_{recipe.model.fp8}")
     side = RolloutSide(recipe, rollout_dir) if rank() == 0 else None
-    if inject_fault:
-        _inject(inject_fault, learner, side)
-    vllm_fault, learner_fault = _sampling_fault(inject_fault)
+    faults = [inject_fault] if isinstance(inject_fault, str) else list(inject_fault or [])
+    vllm_fault, learner_fault = {}, {}
+    for fault in faults:
+        _inject(fault, learner, side)
+        v, lf = _sampling_fault(fault)
+        vllm_fault.update(v)
+        learner_fault.update(lf)
     report: dict = {"mode": recipe.mode, "arch": recipe.model.arch, "dtype": recipe.model.dtype, "fp8": recipe.model.fp8,
                     "layout": recipe.parallel.model_dump()}
     if sampling_grid is None:
@@ -223,7 +229,7 @@ def _print_setting(report: dict, one: dict) -> None:
             c.print(f"  {who}: {json.dumps(loc[who])}")
 
 
-def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | None = None) -> int:
+def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | list[str] | None = None) -> int:
     report = run_check(recipe, num_prompts, samples, inject_fault)
     if rank() == 0:
         print_report(report)

@@ -55,6 +55,12 @@ def test_aligned_tiny_moe_tp2_ep2_is_bitwise(moe_dir):
     assert report["layout"]["tp"] == 2 and report["all_bitwise_equal"] is True
 
 
+# fp32 DeepSeek-V3 is opt-in (RZ_SLOW=1) to keep the suite's time, as Qwen2's below: the bf16 check
+# (test_aligned_tiny_dsv3_bf16_is_bitwise) runs the same rz check path, and in fp32 the parity is
+# asserted by test_aligned_vllm[deepseek_v3] (engine == reference under batching and chunked
+# prefill), test_aligned_learner[deepseek_v3] (learner == reference) and, learner == a real V3
+# engine, test_fp8_models::test_fp8_deepseek_v3_learner_equals_vllm_and_reference.
+@pytest.mark.slow
 def test_aligned_tiny_dsv3_is_bitwise(tmp_path):
     out, report = _rz_check("tiny_dsv3.yaml", tmp_path, "mode=aligned", prompts=8, samples=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
@@ -68,27 +74,20 @@ def test_aligned_tiny_moe_bf16_is_bitwise(tmp_path):
     assert report["dtype"] == "bfloat16" and report["all_bitwise_equal"] is True
 
 
-def test_localiser_names_the_layer_and_op_of_an_injected_fault(moe_dir):
-    # Scale layer 1's post-attention norm weight in vLLM only: vLLM must first leave the reference
-    # at layer1.mlp_norm (every tap before it equal), while the learner stays equal everywhere.
+def test_localiser_names_the_layer_and_op_of_a_fault_on_each_side(moe_dir):
+    # One run, one fault per side (each side is localised against the reference on its own):
+    # vLLM: layer 1's post-attention norm weight scaled, so vLLM must first leave the reference at
+    # layer1.mlp_norm (every tap before it equal); learner: layer 0's attention output projection
+    # scaled, so the learner must first leave it at layer0.attn_out.
     out, report = _rz_check("tiny_moe.yaml", moe_dir, "mode=aligned", prompts=4, samples=2,
-                            extra=["--inject-fault", "vllm:model.layers.1.post_attention_layernorm.weight"])
+                            extra=["--inject-fault", "vllm:model.layers.1.post_attention_layernorm.weight",
+                                   "--inject-fault", "learner:decoder.layers.0.self_attention.linear_proj.weight"])
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-5000:]
     loc = report["localisation"]
     assert loc["vllm"]["first_diverging_tap"] == "layer1.mlp_norm", loc
     assert loc["vllm"]["taps_equal_before"] == 9 and loc["vllm"]["max_abs_diff"] > 0, loc
-    # 2 layers x 6 taps + final_norm + the output taps logits and sampling
-    assert loc["learner"]["first_diverging_tap"] is None and loc["learner"]["taps_compared"] == 15, loc
+    assert loc["learner"]["first_diverging_tap"] == "layer0.attn_out" and loc["learner"]["taps_equal_before"] == 2, loc
     assert "vLLM diverges first at layer1.mlp_norm" in out.stdout
-
-
-def test_localiser_on_the_learner_side(moe_dir):
-    out, report = _rz_check("tiny_moe.yaml", moe_dir, "mode=aligned", prompts=4, samples=2,
-                            extra=["--inject-fault", "learner:decoder.layers.0.self_attention.linear_proj.weight"])
-    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-5000:]
-    loc = report["localisation"]
-    assert loc["learner"]["first_diverging_tap"] == "layer0.attn_out", loc
-    assert loc["vllm"]["first_diverging_tap"] is None, loc
 
 
 def test_aligned_tiny_dsv3_bf16_is_bitwise(tmp_path):
