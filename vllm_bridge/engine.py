@@ -246,6 +246,11 @@ def reap_process(pid: int, start: str | None, wait_s: float = 5.0) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+# Aligned classes that support vLLM pipeline parallelism (vllm_bridge.aligned._model's layer loop)
+PP_ALIGNED_ARCHITECTURES = ("RZAlignedQwen3MoeForCausalLM", "RZAlignedQwen2ForCausalLM",
+                            "RZAlignedDeepseekV3ForCausalLM")
+
+
 class RolloutEngine:
     """vLLM V1 offline engine for RL rollouts. Use as a context manager or call close()."""
 
@@ -348,6 +353,12 @@ class RolloutEngine:
                 env.update(dsv4_env)
                 kwargs.update(dsv4_kwargs)
         kwargs.update(engine_kwargs)
+        pp = int(kwargs.get("pipeline_parallel_size") or 1)
+        if pp > 1 and aligned and kwargs["hf_overrides"]["architectures"][0] not in PP_ALIGNED_ARCHITECTURES:
+            raise RolloutEngineError(
+                f"pipeline_parallel_size={pp}: the aligned {kwargs['hf_overrides']['architectures'][0]} class has its "
+                f"own layer loop without pipeline stages; pipeline-parallel aligned engines: "
+                f"{', '.join(PP_ALIGNED_ARCHITECTURES)} (use rollout.pipeline_parallel_size: 1)")
         self.engine_kwargs = kwargs
         if before_start is not None:  # a multi-node engine publishes these to its other nodes
             before_start(dict(kwargs), dict(env))
@@ -743,7 +754,17 @@ class RolloutEngine:
         return dict(self.last_sync)
 
     def engine_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
-        return self._rpc("rz_checksums", names)[0]
+        """Every worker's read-back, merged: a pipeline stage reports only the layers it holds.
+        A name two workers report (a tensor-parallel replica) with different bits is reported with
+        ``bits = -1``, so check_weights flags it."""
+        merged: dict[str, dict] = {}
+        for part in self._rpc("rz_checksums", names):
+            for n, e in part.items():
+                if n not in merged:
+                    merged[n] = e
+                elif merged[n].get("bits") != e.get("bits") or merged[n]["shape"] != e["shape"]:
+                    merged[n] = dict(merged[n], bits=-1)
+        return merged
 
     def verify_sync(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, rtol: float = 1e-6, min_checked: int = 1

@@ -153,6 +153,35 @@ def _patch_dsv4_cpu_swa_tile_scheduler() -> None:
     _APPLIED.append("dsv4_cpu_swa_tile_scheduler")
 
 
+def _patch_cpu_pp_intermediate_buffer() -> None:
+    """vLLM 0.32 CPU bug: pipeline parallelism in eager mode dies at the first step.
+
+    A stage after the first receives the previous stage's hidden states into the model runner's
+    persistent ``intermediate_tensors`` buffer, which GPUModelRunner allocates only inside
+    ``_dummy_run`` (profiling / warm-up). The CPU runner runs no dummy step when compilation is off
+    (``enforce_eager``: CPUModelRunner.warming_up_model returns at once), so the buffer stays None and
+    ``sync_and_gather_intermediate_tensors`` fails its ``assert self.intermediate_tensors is not None``
+    (the engine core then dies with a KeyError on the request id). Fix: allocate the buffer as
+    ``_dummy_run`` does (``model.make_empty_intermediate_tensors(max_num_tokens, ...)``) on first use.
+    """
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    orig = CPUModelRunner.sync_and_gather_intermediate_tensors
+    if getattr(orig, "_rz_patched", False):
+        return
+
+    @functools.wraps(orig)
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors, sync_self):
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+        return orig(self, num_tokens, intermediate_tensors, sync_self)
+
+    sync_and_gather_intermediate_tensors._rz_patched = True
+    CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
+    _APPLIED.append("cpu_pp_intermediate_buffer")
+
+
 def apply() -> None:
     import os
 
@@ -177,6 +206,7 @@ def apply() -> None:
             # MoE patch's imports reach v1/attention/backends/mla/compressor_utils.py).
             _patch_dsv4_triton_interpreter()
         _patch_cpu_moe_prepack_on_reload()
+        _patch_cpu_pp_intermediate_buffer()
         if dsv4:
             _patch_dsv4_cpu_swa_tile_scheduler()
 

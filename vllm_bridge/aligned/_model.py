@@ -47,6 +47,16 @@ Weight read-back for a sync's checksums (``vllm_bridge.worker_ext.rz_checksums``
 the replicated kinds (embeddings, norms, router gate and bias), which are full tensors on every
 rank; sharded parameters are not read back (``rz_param_shapes`` reports each worker's shard shapes).
 
+Pipeline parallelism (vLLM pipeline_parallel_size > 1, with or without TP; ``supports_pp``): stage r
+holds the decoder layers vLLM's ``get_pp_indices`` gives it (``rz_start`` .. ``rz_end``; the others are
+``PPMissingLayer`` placeholders without parameters, so names keep the global layer index); the first
+stage holds embed_tokens and embeds, the last holds the final norm and lm_head and computes the
+logits; between stages the residual stream travels as ``IntermediateTensors({"hidden_states"})``
+(a send / recv of the exact bits). Every op and its inputs are the PP=1 ones, so the logprobs are
+bitwise PP=1's. ``load_weights`` (start-up and in-place reload) skips tensors of layers the stage does
+not hold (they are not among its parameters); ``RolloutEngine.engine_checksums`` merges every
+worker's read-back, so ``verify_sync`` covers every stage.
+
 GPU fast path (CUDA, unsharded, no FP8; ``rz_fast``): the same numbers through fewer, larger
 launches and no host synchronisation, so vLLM can replay decode steps as CUDA graphs.
 * Packed storage, no copies: a layer's routed experts' gate / up / down weights are *views* into
@@ -117,6 +127,31 @@ def tp_info() -> tuple[int, int]:
     if not ps.model_parallel_is_initialized():
         return 1, 0
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def pp_info() -> tuple[int, int]:
+    """(world size, rank) of vLLM's pipeline-parallel group; (1, 0) outside a vLLM worker."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    g = ps.get_pp_group()
+    return g.world_size, g.rank_in_group
+
+
+def pp_layer_range(num_layers: int, pp: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers pipeline stage ``rank`` of ``pp`` holds: vLLM's own
+    partition (``vllm.distributed.utils.get_pp_indices``, VLLM_PP_LAYER_PARTITION honoured), so the
+    stages agree with vLLM's KV-cache and scheduler bookkeeping. A stage without a layer is refused."""
+    if pp == 1:
+        return 0, num_layers
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(num_layers, rank, pp)
+    if end <= start:
+        raise ValueError(f"pipeline_parallel_size={pp} leaves stage {rank} without a decoder layer "
+                         f"(num_hidden_layers={num_layers}): use a pipeline_parallel_size <= {num_layers}")
+    return start, end
 
 
 def tp_all_reduce(y: torch.Tensor) -> torch.Tensor:
@@ -203,6 +238,9 @@ class RZAlignedForCausalLM(nn.Module):
     """Base class; subclasses set ``ARCH`` and build their attention modules."""
 
     ARCH = ""
+    # vLLM's SupportsPP interface (module docstring "Pipeline parallelism"): forward takes and
+    # returns IntermediateTensors between stages, make_empty_intermediate_tensors below.
+    supports_pp = True
     # True: shard over vLLM's tensor-parallel group (see the module docstring); False: every TP
     # worker holds and computes the whole model (bitwise the TP=1 result, no memory saved).
     TP_SHARDED = False
@@ -218,6 +256,12 @@ class RZAlignedForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.rz_dtype = dtype
         self.rz_tp, self.rz_rank = tp_info()
+        # pipeline parallelism: this stage's decoder layers [rz_start, rz_end); the others are
+        # PPMissingLayer placeholders (no parameters), so parameter names keep the global layer index
+        self.rz_pp, self.rz_pp_rank = pp_info()
+        self.rz_start, self.rz_end = pp_layer_range(c.num_layers, self.rz_pp, self.rz_pp_rank)
+        self.rz_first = self.rz_pp_rank == 0
+        self.rz_last = self.rz_pp_rank == self.rz_pp - 1
         # Blockwise FP8 shards too (docs/tp.md "FP8": row-parallel layers use 8 per-segment chains)
         self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1
         # full HF parameter name -> (dim, start, length): the slice of the full tensor this rank holds
@@ -233,10 +277,19 @@ class RZAlignedForCausalLM(nn.Module):
             n = c.num_experts // tp
             self.rz_ep = ref.ExpertShard(local=range(r * n, (r + 1) * n), reduce=tp_all_reduce)
         H = c.hidden_size
+        from vllm.model_executor.models.utils import PPMissingLayer
+
         self.model = nn.Module()
-        self.model.embed_tokens = Params(dtype, weight=(c.vocab_size, H))
+        # the first stage embeds; the last also needs the table when lm_head is tied to it
+        if self.rz_first or (self.rz_last and c.tie_word_embeddings):
+            self.model.embed_tokens = Params(dtype, weight=(c.vocab_size, H))
+        else:
+            self.model.embed_tokens = PPMissingLayer()
         layers = []
         for i in range(c.num_layers):
+            if not self.rz_start <= i < self.rz_end:  # another pipeline stage's layer
+                layers.append(PPMissingLayer())
+                continue
             layer = nn.Module()
             layer.input_layernorm = Params(dtype, weight=(H,))
             layer.post_attention_layernorm = Params(dtype, weight=(H,))
@@ -268,9 +321,9 @@ class RZAlignedForCausalLM(nn.Module):
                 layer.mlp = (_packed_mlp if self.rz_fast else _mlp)(dtype, H, c.intermediate_size)
             layers.append(layer)
         self.model.layers = nn.ModuleList(layers)
-        self.model.norm = Params(dtype, weight=(H,))
+        self.model.norm = Params(dtype, weight=(H,)) if self.rz_last else PPMissingLayer()
         if not c.tie_word_embeddings:
-            self.lm_head = Params(dtype, weight=(c.vocab_size, H))
+            self.lm_head = Params(dtype, weight=(c.vocab_size, H)) if self.rz_last else PPMissingLayer()
         self.logits_processor = LogitsScale(c.vocab_size)
         # Blockwise FP8 (config key qwen3_dsv3.FP8_CONFIG_KEY, e.g. hf_overrides={"rz_fp8": "blockwise"}):
         # the parameters stay the checkpoint's high-precision weights (what a weight sync writes and
@@ -385,6 +438,17 @@ class RZAlignedForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.weight[input_ids.long()]  # exact gather
 
+    def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype, device: torch.device):
+        """What a pipeline stage receives from the previous one: the residual stream [T, H]."""
+        from vllm.sequence import IntermediateTensors
+
+        return IntermediateTensors({"hidden_states": torch.zeros(batch_size, self.c.hidden_size,
+                                                                 dtype=dtype, device=device)})
+
+    def _stage_layers(self):
+        """(global index, layer) of this pipeline stage's decoder layers."""
+        return [(i, self.model.layers[i]) for i in range(self.rz_start, self.rz_end)]
+
     def forward(
         self,
         input_ids: Optional[torch.Tensor],
@@ -392,13 +456,23 @@ class RZAlignedForCausalLM(nn.Module):
         intermediate_tensors=None,
         inputs_embeds: Optional[torch.Tensor] = None,
         **kwargs,
-    ) -> torch.Tensor:
+    ):
         c = self.c
-        h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        if self.rz_fast:
-            return self._fast_forward(h, positions)
+        if self.rz_first:
+            h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        else:  # the previous stage's residual stream, bit for bit (a plain send / recv)
+            h = intermediate_tensors["hidden_states"]
+        h = self._fast_forward(h, positions) if self.rz_fast else self._layers_forward(h, positions)
+        if not self.rz_last:
+            from vllm.sequence import IntermediateTensors
+
+            return IntermediateTensors({"hidden_states": h})
+        return ref.final_norm(c, self.model.norm.weight, h)
+
+    def _layers_forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        c = self.c
         cos, sin = ref.rope_tables(c, positions)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in self._stage_layers():
             w = layer.get_parameter if self.rz_fp8 is None else self.rz_fp8.getter(layer.get_parameter, f"{i}.")
             attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
             if self.rz_sharded:
@@ -407,20 +481,20 @@ class RZAlignedForCausalLM(nn.Module):
                                       mlp=lambda x, w=w, i=i: self._tp_mlp(w, i, x))
             else:
                 h = ref.layer_forward(c, w, i, h, cos, sin, attend)
-        return ref.final_norm(c, self.model.norm.weight, h)
+        return h
 
     # ---- GPU fast path (module docstring) ---------------------------------------------------------
     def _fast_forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.c
         rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
         cos, sin = kernels.rope_cos_sin(positions, rot, c.rope_theta, inv_freq=self.rz_inv_freq)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in self._stage_layers():
             w = layer.get_parameter
             attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
             qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) if c.arch == "qwen3_moe" else None
             h = ref.layer_forward(c, w, i, h, cos, sin, attend, mlp=lambda x, layer=layer, i=i: self._fast_mlp(layer, i, x),
                                   qkv=qkv)
-        return ref.final_norm(c, self.model.norm.weight, h)
+        return h
 
     def _fast_qkv(self, layer, x, cos, sin):
         """Qwen3 q/k/v from one GEMM over the packed ``[N_q + 2 N_kv, H]`` weight (same bits as three)."""
@@ -472,7 +546,7 @@ class RZAlignedForCausalLM(nn.Module):
                 view.copy_(p.data)
                 p.data = view
 
-        for layer in self.model.layers:
+        for _, layer in self._stage_layers():
             owners = [layer.self_attn, layer.mlp, getattr(layer.mlp, "shared_experts", None)]
             for m in owners:
                 for pack, names in (getattr(m, "rz_packs", None) or {}).values():
@@ -503,7 +577,7 @@ class RZAlignedForCausalLM(nn.Module):
             p = params.get(name)
             if p is None:
                 # rotary inv_freq buffers, MTP layers (model.layers.{num_layers}.*), a tied lm_head,
-                # other tensor-parallel ranks' experts
+                # other tensor-parallel ranks' experts, other pipeline stages' layers / embeddings / norm / lm_head
                 continue
             shard = self.rz_shards.get(name)
             if shard is not None:  # a full HF tensor: keep this rank's block

@@ -22,6 +22,7 @@ from .qwen3_moe import RZAlignedQwen3MoeForCausalLM
 class RZAlignedQwen2ForCausalLM(RZAlignedQwen3MoeForCausalLM):
     ARCH = "qwen2"
     TP_SHARDED = False
+    supports_pp = True  # restated: vLLM's modelinfo cache is keyed by this module's hash (qwen3_moe.py)
 
     def _build_attention(self, i, dtype, prefix):
         c = self.c

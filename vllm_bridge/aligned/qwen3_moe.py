@@ -20,6 +20,10 @@ class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
     # contiguous blocks (rank r: query heads r*Hq/tp .., KV heads r*Hkv/tp .., so each query head's
     # KV head is local), o_proj row-parallel, experts split; bitwise the TP=1 engine.
     TP_SHARDED = True
+    # vLLM pipeline parallelism (the base class's stages). Restated here, not only inherited: vLLM
+    # caches a lazily registered class's interfaces (supports_pp, ...) keyed by the hash of *this*
+    # module's file (~/.cache/vllm/modelinfos), so a change in _model.py alone is not seen.
+    supports_pp = True
 
     def _build_attention(self, i, dtype, prefix):
         c, lc = self.c, self.rz_c  # lc: this rank's head counts (= c at TP=1)
