@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_rz.learner.expert_export import expert_group, expert_id, gather_full_weights
 from megatron_rz.recipe import ModelConfig, ParallelConfig
 from kernels.models import dsv4 as R
 from kernels.models import dsv41 as R41
@@ -104,18 +105,6 @@ class DeepseekV4Attention(nn.Module):
         return R.attend_sequence(self.c, w, self.index, state, positions, history)
 
 
-def _expert_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(), \
-        ps.get_expert_model_parallel_group()
-
-
-def _expert_id(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
-
-
 class DeepseekV4MoE(nn.Module):
     """The ``layers.{i}.ffn.*`` weights: router and shared expert on every rank, this expert-parallel
     rank's routed experts. Routing (hash table in the first layers, sqrt-softplus top-k after) and
@@ -124,11 +113,11 @@ class DeepseekV4MoE(nn.Module):
     def __init__(self, c: R.V4Config, index: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.c, self.index = c, index
-        self.ep, rank, self.group = _expert_group()
+        self.ep, rank, self.group = expert_group()
         per = c.num_experts // self.ep
         self.owned = range(rank * per, (rank + 1) * per)
         _tree(c)(self, c, _maker(dtype), prefix=f"layers.{index}.ffn.",
-                               include=lambda n: _expert_id(n) is None or _expert_id(n) in self.owned)
+                               include=lambda n: expert_id(n) is None or expert_id(n) in self.owned)
         for name, p in self.named_parameters():
             if name.startswith("experts."):
                 p.allreduce = False  # Megatron DDP: reduce over the expert-data-parallel group
@@ -276,18 +265,4 @@ def export_weights(model):
 
     Collective under expert parallelism (every rank iterates to the end): each routed-expert tensor
     is all-gathered over the expert group, so every rank yields all experts."""
-    import torch.distributed as dist
-
-    ep, _, group = _expert_group()
-    c = model.c
-    per = c.num_experts // ep
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        e = _expert_id(name)
-        if e is None or ep == 1:
-            yield name, t.detach()
-            continue
-        parts = [torch.empty_like(t) for _ in range(ep)]
-        dist.all_gather(parts, t.detach().contiguous(), group=group)
-        local = e % per  # same local slot on every rank: the iteration orders match
-        for r, part in enumerate(parts):
-            yield name.replace(f"experts.{e}.", f"experts.{r * per + local}."), part
+    yield from gather_full_weights(model, model.c.num_experts)

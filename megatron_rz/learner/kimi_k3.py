@@ -43,6 +43,7 @@ from torch import nn
 
 from kernels.models import kda as K
 from kernels.models import kimi_k3 as R
+from megatron_rz.learner.expert_export import expert_group, expert_id, gather_full_weights
 from megatron_rz.recipe import ModelConfig, ParallelConfig
 
 LEARNER_KDA_CHUNK = 8  # kda_chunked's chunk in the learner (any value gives the same bits)
@@ -81,18 +82,6 @@ def _maker(dtype: torch.dtype):
         return nn.Parameter(torch.zeros(shape, dtype=dtype))
 
     return make
-
-
-def _expert_group():
-    from megatron.core import parallel_state as ps
-
-    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-            ps.get_expert_model_parallel_group())
-
-
-def _expert_id(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
 
 
 class _Sub(nn.Module):
@@ -143,11 +132,11 @@ class KimiMoE(_Sub):
     every rank, this expert-parallel rank's routed experts; rows ``[N, H]``."""
 
     def __init__(self, c: R.KimiConfig, shapes: dict, index: int, dtype: torch.dtype) -> None:
-        ep, rank, group = _expert_group()
+        ep, rank, group = expert_group()
         per = c.num_experts // ep
         owned = range(rank * per, (rank + 1) * per)
         super().__init__(shapes, f"model.layers.{index}.block_sparse_moe.", dtype,
-                         include=lambda n: _expert_id(n) is None or _expert_id(n) in owned)
+                         include=lambda n: expert_id(n) is None or expert_id(n) in owned)
         self.c, self.owned, self.ep, self.group = c, owned, ep, group
         for name, p in self.named_parameters():
             if name.startswith("experts."):
@@ -328,17 +317,4 @@ def export_weights(model):
 
     Collective under expert parallelism (every rank iterates to the end): each routed-expert tensor
     is all-gathered over the expert group, so every rank yields all experts."""
-    import torch.distributed as dist
-
-    ep, _, group = _expert_group()
-    per = model.c.num_experts // ep if model.c.num_experts else 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        e = _expert_id(name)
-        if e is None or ep == 1:
-            yield name, t.detach()
-            continue
-        parts = [torch.empty_like(t) for _ in range(ep)]
-        dist.all_gather(parts, t.detach().contiguous(), group=group)
-        local = e % per  # same local slot on every rank: the iteration orders match
-        for r, part in enumerate(parts):
-            yield name.replace(f"experts.{e}.", f"experts.{r * per + local}."), part
+    yield from gather_full_weights(model, model.c.num_experts)
