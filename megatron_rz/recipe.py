@@ -213,6 +213,10 @@ class RolloutConfig(_Strict):
     engine: Literal["vllm"] = "vllm"
     num_engines: int = 1
     tensor_parallel_size: int = 1
+    # vLLM pipeline parallelism: each engine spans tensor_parallel_size x pipeline_parallel_size GPUs,
+    # stage r holding a contiguous block of decoder layers (an engine wider than a node: TP inside a
+    # node, PP across nodes). The aligned Qwen3-MoE / Qwen2 / DeepSeek-V3 classes keep the bits.
+    pipeline_parallel_size: int = 1
     samples_per_prompt: int = 8
     prompts_per_step: int = 16
     max_new_tokens: int = 8
@@ -446,7 +450,9 @@ class Recipe(_Strict):
         r = self.rollout
         return dict(dtype=r.dtype or self.model.dtype, seed=self.schedule.seed, max_num_seqs=r.max_num_seqs,
                     kv_cache_gb=r.kv_cache_gb, max_model_len=self.model.max_position_embeddings,
-                    aligned=self.mode == "aligned", tensor_parallel_size=r.tensor_parallel_size, fp8=self.model.fp8)
+                    aligned=self.mode == "aligned", tensor_parallel_size=r.tensor_parallel_size, fp8=self.model.fp8,
+                    # only when > 1: the engine arguments of PP=1 recipes are unchanged
+                    **({"pipeline_parallel_size": r.pipeline_parallel_size} if r.pipeline_parallel_size > 1 else {}))
 
     @model_validator(mode="after")
     def _sampling_contract(self) -> Recipe:
@@ -517,6 +523,7 @@ _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678
 # Ranges of the fields of sections declared with plain types (the rollout section): (key, min, strict).
 _RANGES = [
     ("rollout.num_engines", 1, False), ("rollout.tensor_parallel_size", 1, False),
+    ("rollout.pipeline_parallel_size", 1, False),
     ("rollout.prompts_per_step", 1, False), ("rollout.max_new_tokens", 1, False),
     ("rollout.max_num_seqs", 1, False), ("rollout.verify_every", 1, False), ("rollout.kv_cache_gb", 0, True),
 ]

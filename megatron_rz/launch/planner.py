@@ -277,7 +277,7 @@ def _fp8_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
     return out
 
 
-def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int) -> float:
+def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int, layers: range | None = None) -> float:
     """Weight elements per engine worker that the aligned class also keeps as e4m3 + 128x128 fp32
     scales (model.fp8=blockwise: every attention projection and dense / shared / routed expert linear,
     quantised once per load next to the model-dtype parameters): the TP-split ones (``split``, all of
@@ -286,10 +286,12 @@ def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int) -> float:
     if m.fp8 == "none":
         return 0.0
     h = m.hidden_size
-    rep = count_params(m).shared_experts
+    layers = range(m.num_layers) if layers is None else layers
+    moe = [i for i in layers if m.num_experts and i >= m.first_k_dense]
+    rep = len(moe) * m.num_shared_experts * 3 * h * m.moe_ffn_hidden_size
     if m.arch == "deepseek_v3":
         lat = (h * m.q_lora_rank if m.q_lora_rank else 0) + h * (m.kv_lora_rank + m.qk_rope_head_dim)
-        rep += lat * m.num_layers
+        rep += lat * len(layers)
     tp_split = split if split else rollout_sharded_params(m)
     return tp_split / max(1, shard) + rep
 
@@ -369,10 +371,54 @@ def check_rollout_tp(recipe: Recipe) -> None:
         raise PlanError(f"{recipe.name!r}: " + "; ".join(errors))
 
 
-def rollout_sharded_params(m: ModelConfig) -> int:
+# Aligned classes with pipeline stages (vllm_bridge/aligned/_model.py's layer loop; the V4 / K3
+# classes have their own and refuse pipeline_parallel_size > 1)
+PP_ALIGNED_ARCHS = ("qwen3_moe", "qwen2", "deepseek_v3")
+
+
+def pp_stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """[start, end) of each pipeline stage's decoder layers, as vLLM partitions them by default
+    (vllm.distributed.utils.get_pp_indices without VLLM_PP_LAYER_PARTITION): num_layers // pp each,
+    the remainder one more each on the stages before the last, from the second-to-last backwards."""
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    out, start = [], 0
+    for n in parts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _layer_params(m: ModelConfig, i: int) -> int:
+    """Parameters of decoder layer i (attention with its norms, then the MLP / MoE), as count_params."""
+    h = m.hidden_size
+    if m.num_experts == 0 or i < m.first_k_dense:
+        mlp = 3 * h * m.dense_ffn_hidden_size
+    else:
+        expert = 3 * h * m.moe_ffn_hidden_size
+        mlp = (m.num_experts + m.num_shared_experts) * expert + m.num_experts * h
+    return _attention_params(m, i) + mlp
+
+
+def stage_params(m: ModelConfig, start: int, end: int, pp: int) -> int:
+    """Parameters pipeline stage [start, end) holds: its layers, the embeddings on the first stage
+    (and on the last when lm_head is tied to them), the final norm and lm_head on the last."""
+    c = count_params(m)
+    first, last = start == 0, end == m.num_layers
+    n = sum(_layer_params(m, i) for i in range(start, end))
+    if first or (last and m.tie_word_embeddings):
+        n += c.embedding
+    if last:
+        n += c.output + c.final_norm
+    return n
+
+
+def rollout_sharded_params(m: ModelConfig, layers: range | None = None) -> int:
     """Parameters an aligned TP-sharded engine splits over its workers (the rest is replicated):
     Qwen3 q/k/v/o_proj; DeepSeek-V3 q_b_proj (q_proj) / kv_b_proj / o_proj; DeepSeek-V4 wq_b /
-    attn_sink / wo_a / wo_b; dense MLPs, routed experts."""
+    attn_sink / wo_a / wo_b; dense MLPs, routed experts. ``layers``: only those decoder layers
+    (one pipeline stage's); all by default."""
     h, n = m.hidden_size, m.num_attention_heads
     if m.arch == "qwen3_moe":
         attn = h * n * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim + n * m.head_dim * h
@@ -383,7 +429,7 @@ def rollout_sharded_params(m: ModelConfig) -> int:
         attn = ((h if m.q_lora_rank is None else m.q_lora_rank) * n * qk
                 + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim) + n * m.v_head_dim * h)
     s = 0
-    for i in range(m.num_layers):
+    for i in (range(m.num_layers) if layers is None else layers):
         s += attn
         if m.num_experts == 0 or i < m.first_k_dense:
             s += 3 * h * m.dense_ffn_hidden_size
@@ -431,19 +477,36 @@ def make_plan(recipe: Recipe) -> Plan:
             )
 
     # ---- rollout layout
-    etp = r.tensor_parallel_size
+    etp, epp = r.tensor_parallel_size, r.pipeline_parallel_size
+    width = etp * epp  # GPUs per engine
     if m.num_attention_heads % etp:
         errors.append(f"rollout.tensor_parallel_size={etp} must divide model.num_attention_heads={m.num_attention_heads}")
+    if epp > m.num_layers:
+        errors.append(f"rollout.pipeline_parallel_size={epp} exceeds model.num_layers={m.num_layers}: every "
+                      "pipeline stage needs a decoder layer; lower rollout.pipeline_parallel_size")
+    if epp > 1 and recipe.mode == "aligned" and m.arch not in PP_ALIGNED_ARCHS:
+        errors.append(f"rollout.pipeline_parallel_size={epp}: the aligned {m.arch} vLLM class has no pipeline "
+                      f"stages (pipeline-parallel aligned classes: {', '.join(PP_ALIGNED_ARCHS)}); set "
+                      "rollout.pipeline_parallel_size=1 or mode=fast")
     if Lg.gpus_per_node > 0:
         rgpus = Lg.nodes * Lg.gpus_per_node
-        if r.num_engines * etp != rgpus:
+        if r.num_engines * width != rgpus:
+            what = f"tensor_parallel_size{' * pipeline_parallel_size' if epp > 1 else ''}"
+            n = f"{etp}{f' * {epp}' if epp > 1 else ''}"
             errors.append(
-                f"rollout.num_engines * tensor_parallel_size = {r.num_engines} * {etp} = {r.num_engines * etp} GPUs, "
+                f"rollout.num_engines * {what} = {r.num_engines} * {n} = {r.num_engines * width} GPUs, "
                 f"but cluster.rollout has {Lg.nodes} nodes x {Lg.gpus_per_node} GPUs = {rgpus}: make them equal"
             )
-        if not (Lg.gpus_per_node % etp == 0 or etp % Lg.gpus_per_node == 0):
+        if epp > 1 and Lg.gpus_per_node % etp:
             errors.append(
-                f"rollout.tensor_parallel_size={etp} must divide or be a multiple of cluster.rollout.gpus_per_node="
+                f"rollout.tensor_parallel_size={etp} must divide cluster.rollout.gpus_per_node={Lg.gpus_per_node} "
+                f"with rollout.pipeline_parallel_size={epp}: tensor parallelism stays inside a node, the pipeline "
+                "stages span nodes"
+            )
+        elif not (Lg.gpus_per_node % width == 0 or width % Lg.gpus_per_node == 0):
+            key = "tensor_parallel_size" + (" * pipeline_parallel_size" if epp > 1 else "")
+            errors.append(
+                f"rollout.{key}={width} must divide or be a multiple of cluster.rollout.gpus_per_node="
                 f"{Lg.gpus_per_node} (an engine fills whole nodes or shares one)"
             )
     else:
@@ -494,26 +557,44 @@ def make_plan(recipe: Recipe) -> Plan:
     # shard attention heads (and the KV cache, but V4's one KV head's payload cache), dense MLPs and
     # routed experts, and replicate embeddings, lm_head, norms, router, shared experts and the latent
     # projections; Qwen2 holds the whole model on every worker. FP8: the e4m3 copies come on top.
+    # Pipeline parallelism (rollout.pipeline_parallel_size): each stage's GPUs hold that stage's layers
+    # (+ embeddings on the first, final norm and lm_head on the last) and their KV cache; the plan
+    # is the stage that needs the most memory.
     sharded_aligned = aligned_tp_sharded(recipe)
+    stages = pp_stage_layers(m.num_layers, epp) if epp <= m.num_layers else [(0, m.num_layers)]
     if recipe.mode == "fast":
-        shard, split = etp, params.total
+        shard = etp
     elif sharded_aligned:
         errors.extend(rollout_tp_errors(recipe))
-        shard, split = etp, rollout_sharded_params(m)
+        shard = etp
     else:
-        shard, split = 1, 0
+        shard = 1
         if etp > 1:
             why = m.arch
             notes.append(f"mode=aligned: the aligned {m.arch} vLLM class keeps "
                          f"the whole model and KV cache on each of the {etp} tensor-parallel workers ({why} is not "
                          "sharded yet), so rollout.tensor_parallel_size > 1 adds no memory; prefer 1")
     per_tok, per_seq = _kv_per_token_and_seq(m, shard, aligned=recipe.mode == "aligned")
-    seq_bytes = seq * per_tok + per_seq
     kv = r.kv_cache_gb * GiB
+    rollout_mem, seq_bytes, stage_desc = {}, 0.0, []
+    for start, end in stages:  # the stage with the most weights sets the plan; KV: the most layers
+        total = stage_params(m, start, end, epp)
+        if recipe.mode == "fast":
+            split = total
+        else:
+            split = rollout_sharded_params(m, range(start, end)) if sharded_aligned else 0
+        mem = {"weights": ((total - split) + split / shard) * b / GiB, "kv_cache": r.kv_cache_gb}
+        if m.fp8 != "none" and recipe.mode == "aligned":  # e4m3 copies (1 byte) + one fp32 scale per 128x128
+            mem["fp8_weights"] = (rollout_fp8_cache_params(m, shard, split, range(start, end))
+                                  * (1 + 4 / 128 ** 2) / GiB)
+        if sum(mem.values()) > sum(rollout_mem.values()):
+            rollout_mem = mem
+        frac = (end - start) / m.num_layers
+        seq_bytes = max(seq_bytes, (seq * per_tok + per_seq) * frac)
+        stage_desc.append(f"layers {start}-{end - 1}: weights {mem['weights']:.1f} GiB")
+    if epp > 1:
+        notes.append(f"rollout pipeline stages (tensor_parallel_size={etp} each, per GPU): " + "; ".join(stage_desc))
     seqs_fit = kv / seq_bytes if seq_bytes else float("inf")
-    rollout_mem = {"weights": ((params.total - split) + split / shard) * b / GiB, "kv_cache": r.kv_cache_gb}
-    if m.fp8 != "none" and recipe.mode == "aligned":  # e4m3 copies (1 byte) + one fp32 scale per 128x128
-        rollout_mem["fp8_weights"] = rollout_fp8_cache_params(m, shard, split) * (1 + 4 / 128 ** 2) / GiB
     wanted = min(r.max_num_seqs, math.ceil(r.prompts_per_step * r.samples_per_prompt / max(1, r.num_engines)))
     if seqs_fit < 1:
         errors.append(
@@ -529,7 +610,7 @@ def make_plan(recipe: Recipe) -> Plan:
         if total > Lg.gpu_memory_gb:
             errors.append(
                 f"rollout engine needs {total:.1f} GiB per GPU (weights {rollout_mem['weights']:.1f} over "
-                f"tensor_parallel_size={etp}, KV cache {r.kv_cache_gb:g}, overhead {plan_cfg.overhead_gb:g}) but "
+                f"tensor_parallel_size={etp}" + (f" x pipeline_parallel_size={epp}" if epp > 1 else "") + f", KV cache {r.kv_cache_gb:g}, overhead {plan_cfg.overhead_gb:g}) but "
                 f"cluster.rollout.gpu_memory_gb={Lg.gpu_memory_gb:g}: "
                 + _rollout_fit_fix(recipe, shard, sharded_aligned, rollout_mem['weights'])
             )
@@ -557,6 +638,12 @@ def _rollout_fit_fix(recipe: Recipe, shard: int, sharded_aligned: bool, weights_
         more = [t for t in range(etp + 1, seg + 1) if seg % t == 0 and not _sharded_tp_problems(m, t)]
         if more:
             return f"raise rollout.tensor_parallel_size (to {'/'.join(map(str, more))}) or lower rollout.kv_cache_gb"
+        if m.arch in PP_ALIGNED_ARCHS:
+            return (f"the aligned {m.arch} vLLM class shards over at most {etp} tensor-parallel workers here "
+                    f"(tensor-parallel sizes dividing the {seg} row-parallel K segments and the model's heads / "
+                    f"experts): {lower_kv}; raise rollout.pipeline_parallel_size (now "
+                    f"{recipe.rollout.pipeline_parallel_size}: each stage holds only its layers and their KV cache), "
+                    "use mode=fast, or GPUs with more memory")
         return (f"the aligned {m.arch} vLLM class shards over at most {etp} workers here (tensor-parallel sizes "
                 f"dividing the {seg} row-parallel K segments and the model's heads / experts), replicating "
                 f"embeddings, lm_head, norms, router and shared experts: {lower_kv}; use mode=fast (stock vLLM "
@@ -589,7 +676,10 @@ def format_plan(plan: Plan, recipe: Recipe) -> str:
                  + (f" of {plan.learner_budget:g} ({100 * plan.learner_total / plan.learner_budget:.0f}%)"
                     if plan.learner_budget else ""))
     lines.append(f"  rollout: {where(c.rollout)}, {r.num_engines} engine(s) x tensor_parallel_size="
-                 f"{r.tensor_parallel_size}")
+                 f"{r.tensor_parallel_size}" + (f" x pipeline_parallel_size={r.pipeline_parallel_size} "
+                                                f"({r.tensor_parallel_size * r.pipeline_parallel_size} GPUs per "
+                                                "engine; the largest stage per GPU)"
+                                                if r.pipeline_parallel_size > 1 else ""))
     unit = "GiB per GPU" if plan.rollout_budget else "GiB per engine (CPU: not checked)"
     lines.append("    " + ", ".join(f"{k} {v:.2f}" for k, v in plan.rollout_mem.items())
                  + f" = {plan.rollout_total:.2f} {unit}"

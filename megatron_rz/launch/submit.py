@@ -64,15 +64,16 @@ def _abs(path: str, workdir: Path) -> Path:
 def rollout_tasks(recipe: Recipe) -> dict:
     """How the rollout component's processes map onto engines (one `vllm serve` per process).
 
-    tasks_per_node  servers per node: GPUs per node / tensor_parallel_size when an engine is
+    An engine's width is tensor_parallel_size x pipeline_parallel_size GPUs.
+    tasks_per_node  servers per node: GPUs per node / width when an engine is
                     smaller than a node (each server sees only its engine's GPUs), else 1
-    engine_nodes    nodes per engine: tensor_parallel_size / GPUs per node when an engine is wider
+    engine_nodes    nodes per engine: width / GPUs per node when an engine is wider
                     than a node (the first node's server serves it, the others run its workers:
                     vLLM's multi-node mode, `vllm serve --nnodes K --node-rank R --headless`)
     hosts           servers that serve an engine to the learner
     procs           rollout processes in all"""
     c, r = recipe.cluster, recipe.rollout
-    gpn, tp = c.rollout.gpus_per_node, r.tensor_parallel_size
+    gpn, tp = c.rollout.gpus_per_node, r.tensor_parallel_size * r.pipeline_parallel_size
     tasks = gpn // tp if gpn and tp < gpn else 1
     engine_nodes = tp // gpn if gpn and tp > gpn else 1
     return {"tasks_per_node": tasks, "engine_nodes": engine_nodes,
@@ -111,7 +112,7 @@ def _srun_opts(recipe: Recipe, which: str, workdir: Path, one_task: bool = False
     if which == "learner" and not one_task:
         opts.append("--kill-on-bad-exit=1")
     if g.gpus_per_node and tasks > 1:  # one engine per task, each on its own GPUs
-        opts.append(f"--gpus-per-task={recipe.rollout.tensor_parallel_size}")
+        opts.append(f"--gpus-per-task={recipe.rollout.tensor_parallel_size * recipe.rollout.pipeline_parallel_size}")
     elif g.gpus_per_node:
         opts.append(f"--gpus-per-node={g.gpus_per_node}")
     if g.cpus_per_task:  # srun does not inherit sbatch's --cpus-per-task (SLURM >= 22.05)
@@ -168,7 +169,9 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
         learner_desc=f"{desc(c.learner)}, {plan.learner_ranks} ranks, tp={recipe.parallel.tp} "
         f"pp={recipe.parallel.pp} dp={recipe.parallel.dp} ep={recipe.parallel.ep}",
         rollout_desc=f"{desc(c.rollout)}, {recipe.rollout.num_engines} engine(s) x "
-        f"tensor_parallel_size={recipe.rollout.tensor_parallel_size}",
+        f"tensor_parallel_size={recipe.rollout.tensor_parallel_size}"
+        + (f" x pipeline_parallel_size={recipe.rollout.pipeline_parallel_size}"
+           if recipe.rollout.pipeline_parallel_size > 1 else ""),
         learner_sbatch=_group_sbatch(recipe, "learner"),
         rollout_sbatch=_group_sbatch(recipe, "rollout"),
         workdir=workdir,

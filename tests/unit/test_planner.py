@@ -119,15 +119,18 @@ def test_tiny_recipe_on_cpu_nodes_is_planned_not_budgeted():
          ["rollout.tensor_parallel_size=16 does not divide the 8 row-parallel K segments",
           "model.num_kv_heads=4 is not divisible by rollout.tensor_parallel_size=16",
           "shards only at a tensor-parallel size dividing 8", "use rollout.tensor_parallel_size=1/2/4", "mode=fast"]),
-        # the recipe's rollout TP 16 in mode=aligned: beyond what the aligned DeepSeek-V3 class shards over
-        ("deepseek_v3_671b", ["mode=aligned"], ["rollout.tensor_parallel_size=16 does not divide the 8",
+        # rollout TP 16 (one engine over two nodes without pipeline stages) in mode=aligned: beyond what
+        # the aligned DeepSeek-V3 class shards over (the recipe runs TP 8 x PP 2: test_planner_pp.py)
+        ("deepseek_v3_671b", ["rollout.tensor_parallel_size=16", "rollout.pipeline_parallel_size=1"],
+         ["rollout.tensor_parallel_size=16 does not divide the 8",
                                                 "use rollout.tensor_parallel_size=1/2/4/8"]),
         # the aligned DeepSeek-V4 class shards (docs/tp.md), but not over 4 GPUs at this size
         ("deepseek_v4_flash", ["mode=aligned", "rollout.tensor_parallel_size=4", "rollout.num_engines=8"],
          ["rollout engine needs 182.6 GiB per GPU (weights 136.6 over tensor_parallel_size=4",
           "raise rollout.tensor_parallel_size (to 8)"]),
-        # weights of 671B in bf16 over 8 GPUs per engine
-        ("deepseek_v3_671b", ["rollout.tensor_parallel_size=8", "rollout.num_engines=4"],
+        # weights of 671B in bf16 over 8 GPUs per engine (stock vLLM, no pipeline stages)
+        ("deepseek_v3_671b", ["mode=fast", "rollout.pipeline_parallel_size=1", "rollout.tensor_parallel_size=8",
+                              "rollout.num_engines=4"],
          ["rollout engine needs", "tensor_parallel_size=8"]),
         # a KV cache too small for one sequence
         ("r1_distill_qwen_1p5b", ["rollout.kv_cache_gb=0.1"], ["rollout.kv_cache_gb=0.1 holds 0.",

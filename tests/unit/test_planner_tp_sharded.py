@@ -20,7 +20,8 @@ def _recipe(name, *overrides):
 
 
 def test_aligned_deepseek_v3_at_tp8_holds_an_eighth_of_the_sharded_parts():
-    r = _recipe("deepseek_v3_671b", "mode=aligned", "rollout.tensor_parallel_size=8", "rollout.num_engines=4", *BIG)
+    r = _recipe("deepseek_v3_671b", "mode=aligned", "rollout.tensor_parallel_size=8", "rollout.pipeline_parallel_size=1",
+                "rollout.num_engines=4", *BIG)
     m, plan = r.model, make_plan(r)
     c = count_params(m)
     h = m.hidden_size
@@ -42,7 +43,8 @@ def test_aligned_deepseek_v3_at_tp8_holds_an_eighth_of_the_sharded_parts():
 
 
 def test_aligned_deepseek_v3_at_tp8_does_not_fit_an_h200():
-    r = _recipe("deepseek_v3_671b", "mode=aligned", "rollout.tensor_parallel_size=8", "rollout.num_engines=4")
+    r = _recipe("deepseek_v3_671b", "mode=aligned", "rollout.tensor_parallel_size=8", "rollout.pipeline_parallel_size=1",
+                "rollout.num_engines=4")
     with pytest.raises(PlanError) as e:
         make_plan(r)
     msg = str(e.value)
