@@ -38,6 +38,9 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 PP = 2
+# TP=2 x PP=2 (4 workers on the 2-CPU box, ~+35 s): opt in with RZ_TEST_PP_TP2=1. The default suite
+# runs TP=1 x PP=2; tensor parallelism within a stage is test_aligned_vllm_tp*.py's claim.
+TPS = (1, 2) if os.environ.get("RZ_TEST_PP_TP2") == "1" else (1,)
 LAYERS = 4
 N_SAMPLES = 2
 MAX_NEW = 8
@@ -68,21 +71,28 @@ def _checkpoint(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("vLLM-CPU pipeline parallel needs two CPUs (one per worker)")
+def ckpt_and_weights(tmp_path_factory):
     from kernels.models.qwen3_dsv3 import load_state_dict
-    from vllm_bridge.engine import RolloutEngine, _env
 
     ckpt = _checkpoint(tmp_path_factory.mktemp("pp_dsv3_ckpt"))
     old = load_state_dict(ckpt)
-    new = {k: v * SCALE for k, v in old.items()}
+    return ckpt, old, {k: v * SCALE for k, v in old.items()}
+
+
+@pytest.fixture(scope="module", params=TPS, ids=lambda tp: f"tp{tp}")
+def run(request, ckpt_and_weights):
+    tp = request.param
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("vLLM-CPU pipeline parallel needs two CPUs (one per worker)")
+    from vllm_bridge.engine import RolloutEngine, _env
+
+    ckpt, old, new = ckpt_and_weights
     t0 = time.perf_counter()
-    with _env({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(PP))}):
+    with _env({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp * PP))}):
         eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.125, max_num_seqs=16, seed=0,
-                            pipeline_parallel_size=PP, aligned=True)
-    out = {"start_s": time.perf_counter() - t0, "ckpt": ckpt, "old": old, "new": new}
+                            tensor_parallel_size=tp, pipeline_parallel_size=PP, aligned=True)
+    out = {"start_s": time.perf_counter() - t0, "ckpt": ckpt, "old": old, "new": new, "tp": tp}
     with eng:
         out["shapes"] = eng._rpc("rz_param_shapes")
         out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
@@ -93,7 +103,7 @@ def run(tmp_path_factory):
         out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
         out["rescore"] = eng.score(seqs, temperature=0.7)
     out["total_s"] = time.perf_counter() - t0
-    print(f"\nTP=1 x PP={PP}: start {out['start_s']:.1f} s, total {out['total_s']:.1f} s")
+    print(f"\nTP={tp} x PP={PP}: start {out['start_s']:.1f} s, total {out['total_s']:.1f} s")
     return out
 
 
@@ -104,20 +114,29 @@ def _layer(name: str) -> int | None:
 
 def test_workers_hold_their_stage(run):
     full = {k: list(v.shape) for k, v in run["old"].items()}
-    shards = run["shapes"]
-    assert len(shards) == PP
+    tp = run["tp"]
+    shards = run["shapes"]  # worker rank = pp_rank * tp + tp_rank
+    assert len(shards) == tp * PP
     half = LAYERS // PP
     for rank, sh in enumerate(shards):
-        assert {_layer(n) for n in sh if _layer(n) is not None} == set(range(rank * half, (rank + 1) * half))
-        assert ("model.embed_tokens.weight" in sh) == (rank == 0)
-        assert ("model.norm.weight" in sh) == ("lm_head.weight" in sh) == (rank == PP - 1)
-        assert all(full[n] == s for n, s in sh.items()), rank  # whole tensors (TP=1 within a stage)
-    names = [n for sh in shards for n in sh]
-    assert len(names) == len(set(names)) and set(names) == set(full)  # every tensor exactly once
-    sizes = [sum(torch.Size(s).numel() for s in sh.values()) for sh in shards]
+        stage = rank // tp
+        assert {_layer(n) for n in sh if _layer(n) is not None} == set(range(stage * half, (stage + 1) * half))
+        assert ("model.embed_tokens.weight" in sh) == (stage == 0)
+        assert ("model.norm.weight" in sh) == ("lm_head.weight" in sh) == (stage == PP - 1)
+        if tp == 1:
+            assert all(full[n] == s for n, s in sh.items()), rank  # whole tensors (TP=1 within a stage)
     total = sum(torch.Size(s).numel() for s in full.values())
-    assert sum(sizes) == total
-    print(f"\nPP={PP}: layers per worker {[sorted({_layer(n) for n in sh} - {None}) for sh in shards]}, "
+    sizes = [sum(torch.Size(s).numel() for s in sh.values()) for sh in shards]
+    if tp == 1:
+        names = [n for sh in shards for n in sh]
+        assert len(names) == len(set(names)) and set(names) == set(full)  # every tensor exactly once
+        assert sum(sizes) == total
+    else:  # each stage's TP ranks hold that stage's names, sharded: fewer elements than TP=1's
+        for stage in range(PP):
+            group = shards[stage * tp:(stage + 1) * tp]
+            assert all(set(g) <= set(full) for g in group)
+            assert all(s < sum(torch.Size(full[n]).numel() for n in group[0]) for s in sizes[stage * tp:(stage + 1) * tp])
+    print(f"\nTP={tp} x PP={PP}: layers per worker {[sorted({_layer(n) for n in sh} - {None}) for sh in shards]}, "
           f"parameters per worker {sizes} of {total}")
 
 
@@ -134,7 +153,7 @@ def test_generate_equals_reference_bitwise(run, phase):
         assert torch.equal(torch.tensor(t.logprobs, dtype=torch.float32).view(torch.int32), ref.view(torch.int32))
     assert all(v == (1 if phase == "after" else 0) for s in b for v in s.versions)
     n = sum(len(s.logprobs) for s in b)
-    print(f"\nPP={PP} {phase} weight update: {n}/{n} generated-token logprobs bitwise the reference")
+    print(f"\nTP={run['tp']} x PP={PP} {phase} weight update: {n}/{n} generated-token logprobs bitwise the reference")
 
 
 @pytest.mark.parametrize("phase", ["score", "rescore"])
@@ -150,7 +169,7 @@ def test_score_equals_reference_bitwise(run, phase):
         ref = scored_reference(run["old" if phase == "score" else "new"], str(run["ckpt"]), seq, 0.7)
         assert torch.equal(torch.tensor(t[1:], dtype=torch.float32).view(torch.int32), ref.view(torch.int32))
         n += len(seq) - 1
-    print(f"\nPP={PP} {phase}: {n}/{n} prompt logprobs (T=0.7) bitwise the reference")
+    print(f"\nTP={run['tp']} x PP={PP} {phase}: {n}/{n} prompt logprobs (T=0.7) bitwise the reference")
 
 
 def test_weight_update_reached_both_stages(run):
