@@ -240,7 +240,7 @@ def parameter_shapes(c: V4Config) -> dict[str, tuple[tuple[int, ...], str]]:
         out[a + "wo_b.weight"] = ((H, c.o_groups * c.o_lora_rank), "model")
         out[a + "attn_sink"] = ((Hn,), "fp32")
         kind, ratio = c.layer_kinds[i], c.compress_ratios[i]
-        if kind != SLIDING:
+        if kind in (CSA, HCA):
             compressor(a + "compressor.", 2 * D if kind == CSA else D, ratio, D)
         if kind == CSA:
             compressor(a + "indexer.compressor.", 2 * Di, ratio, Di)
@@ -323,6 +323,9 @@ def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x[..., : D - r], kernels.apply_rope(x[..., D - r :], cos, sin, style="interleaved")], dim=-1)
 
 
+rope_tail = _rope_tail  # public name (DeepSeek-V4.1's compressed entries, kernels.models.dsv41)
+
+
 def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
     """Per-token attention inputs of layer ``layer`` for ``x[T, hidden]`` (the normed block input):
     ``q [T, H, D]``, ``payload [T, payload_width]`` and, in compressed sparse layers, the indexer's
@@ -338,7 +341,7 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
     kv = _rope_tail(kv.view(T, 1, D), cos, sin).view(T, D)
     parts = [kv]
     out: dict = {"q": q}
-    if kind != SLIDING:
+    if kind in (CSA, HCA):  # (other kinds: DeepSeek-V4.1's compressed layers, kernels.models.dsv41)
         parts += [kernels.linear(x, w("attn.compressor.wkv.weight")), kernels.linear(x, w("attn.compressor.wgate.weight"))]
     if kind == CSA:
         Hi, Di = c.index_n_heads, c.index_head_dim
@@ -373,7 +376,7 @@ def attend_sequence(c: V4Config, w: Getter, layer: int, state: dict, positions: 
     dtype = state["q"].dtype
     kv = history[:, :D]
     comp = keep = None
-    if kind != SLIDING:
+    if kind in (CSA, HCA):
         n_ready = torch.div(positions + 1, r, rounding_mode="floor")
         width = 2 * D if kind == CSA else D
         ckv, cgate = history[:, D : D + width], history[:, D + width : D + 2 * width]

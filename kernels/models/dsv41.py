@@ -39,14 +39,19 @@ Every sum here is a :func:`kernels.tree_sum`, every GEMM a :func:`kernels.linear
 n-gram reads token ids by absolute position, so chunked prefill == decode and a sequence alone ==
 in a batch, bitwise, as for V4.
 
+4. **Compressed attention** (``compress_ratios`` 1 / 2; V4's are 4 / 128): compressors and
+   compressed caches only on ``kv_source_layer_ids``, indexers only on ``index_source_layer_ids``
+   (their keys ``k_norm(wk(latent))`` from the kv source's latent); every compressed layer reads the
+   latest kv source at or below it and the selection of the latest index source
+   (:func:`token_state`, :func:`attend_compressed`; the section "Compressed attention" below).
+
 NOT reproduced (refused by :func:`v41_config` with the reason):
 
-* **V4.1's compressed attention topology**: ``compress_ratios`` of 1 / 2 (V4's are 4 / 128), the
-  compressor and compressed cache only on ``kv_source_layer_ids`` (other layers read the latest
-  source below them), indexers only on ``index_source_layer_ids`` and the candidate-block
-  prefilter (``candidate_source_layer_id``, ``candidate_topk_blocks``, ``candidate_block_size``).
-  Its CUDA-only kernels (FlashMLA sparse, fused compress/quant caches) define it and there was no
-  time to re-state it; only sliding-window layers (``compress_ratios`` 0) are supported.
+* The candidate-block prefilter (``candidate_source_layer_id`` >= 0 with ``candidate_topk_blocks``).
+* A compressed layer whose kv source, index source or the index source's key source has another
+  ratio (vLLM would index one cache with another's compressed positions).
+* The fp32 compressor rows: vLLM keeps ``kv`` / ``score`` in fp32 (``torch.mm(out_dtype=fp32)``);
+  the aligned payload rounds them to the model dtype once (identical in fp32 runs).
 * The checkpoint's FP8 engram table (e4m3 rows + e8m0 scales per 32 columns): the aligned model
   takes the table in the model dtype (dequantise it first).
 * Image-span ("dead") tokens: text only; every token takes part in its n-grams.
@@ -54,7 +59,8 @@ NOT reproduced (refused by :func:`v41_config` with the reason):
   ``engram_layer_ids`` is refused here rather than guessed.
 
 Taken over from V4 by reading, not compared numerically (vLLM's V4.1 attention and MoE run on CUDA
-only): the sliding-window attention of ``compress_ratios`` 0 layers (same projections, q/kv norms,
+only; the compressed path is checked against a float64 restatement of vLLM's kernels in
+``tests/unit/test_dsv41_reference.py``): the sliding-window attention (same projections, q/kv norms,
 interleaved RoPE at ``rope_theta``, per-head sinks, grouped ``wo_a``) and the MoE (vLLM's V4.1 MoE
 subclasses its V4 MoE).
 
@@ -82,6 +88,9 @@ from .trace import tap
 
 Getter = V4.Getter
 
+# V4.1's compressed layer kind (compress_ratios 1 / 2); RoPE at the compress base, as V4's.
+V41C = "v41_compressed_attention"
+
 
 @dataclasses.dataclass(frozen=True)
 class V41Config(V4.V4Config):
@@ -95,10 +104,32 @@ class V41Config(V4.V4Config):
     engram_pad_token_id: int = 0
     engram_primes: tuple = ()  # [layer][ngram - 2][head]
     engram_clamp: float = 1e-6
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
 
     @property
     def engram_cols(self) -> int:
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    def kv_source(self, layer: int) -> Optional[int]:
+        """The layer whose compressor / compressed cache layer ``layer`` reads (None: sliding)."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        return max(s for s in self.kv_source_layer_ids if s <= layer)
+
+    def index_source(self, layer: int) -> Optional[int]:
+        """The layer whose indexer chooses layer ``layer``'s compressed entries (None: sliding)."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        return max(s for s in self.index_source_layer_ids if s <= layer)
+
+    def payload_width(self, layer: int) -> int:
+        """Per-token cached floats: the key; on a kv source also the compressor's ``wkv`` row and,
+        at ratio 2, its ``wgate`` row (V4.1's other compressed layers cache only their key)."""
+        D = self.head_dim
+        if self.layer_kinds[layer] != V41C or layer not in self.kv_source_layer_ids:
+            return D
+        return D + D * (2 if self.compress_ratios[layer] == 2 else 1)
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -156,13 +187,17 @@ def v41_config(config: Any) -> V41Config:
         path = os.path.join(os.fspath(config), "config.json")
         with open(path) as f:
             return v41_config(json.load(f))
-    ratios = [int(r) for r in (_get(config, "compress_ratios") or [])]
-    if any(r != 0 for r in ratios):
-        raise NotImplementedError(
-            "aligned DeepSeek-V4.1: compressed layers (compress_ratios 1/2 with kv_source_layer_ids / "
-            "index_source_layer_ids / candidate blocks) are not reproduced yet; only sliding-window "
-            f"layers (compress_ratios all 0), got {ratios}")
-    base = V4.v4_config(config)
+    n_layers = int(_get(config, "num_hidden_layers"))
+    ratios = tuple(int(r) for r in (_get(config, "compress_ratios") or [0] * n_layers))[:n_layers]
+    kv_src, idx_src = compressed_topology(config, ratios)
+    if isinstance(config, Mapping):
+        plain = dict(config, compress_ratios=[0] * n_layers)
+    else:
+        plain = {k: v for k, v in vars(config).items() if not k.startswith("_")}
+        plain["compress_ratios"] = [0] * n_layers
+        plain.pop("layer_types", None)
+    base = dataclasses.replace(V4.v4_config(plain), compress_ratios=ratios,
+                               layer_kinds=tuple(V41C if r else V4.SLIDING for r in ratios))
     layers = tuple(int(i) for i in (_get(config, "engram_layer_ids") or ()))
     if 0 in layers:
         raise NotImplementedError("aligned DeepSeek-V4.1: an engram on layer 0 (vLLM 0.32 never applies it there)")
@@ -192,7 +227,48 @@ def v41_config(config: Any) -> V41Config:
         engram_compressed_vocab_size=int(_get(config, "engram_compressed_vocab_size", 0)),
         engram_pad_token_id=int(_get(config, "engram_pad_token_id", _get(config, "pad_token_id", 0))),
         engram_primes=primes,
+        kv_source_layer_ids=kv_src,
+        index_source_layer_ids=idx_src,
     )
+
+
+def compressed_topology(config: Any, ratios: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(kv_source_layer_ids, index_source_layer_ids)`` of the backbone, checked: vLLM 0.32's
+    ``DeepseekV4Attention`` gives a compressed layer the latest kv / index source at or below it.
+    Refused (with the reason): ratios other than 0 / 1 / 2, the candidate-block prefilter, a layer
+    whose sources have another ratio (their compressed positions would not be its own)."""
+    bad = [r for r in ratios if r not in (0, 1, 2)]
+    if bad:
+        raise NotImplementedError(f"aligned DeepSeek-V4.1: compress_ratios must be 0, 1 or 2, got {list(ratios)}")
+    n = len(ratios)
+    kv_src = tuple(sorted(int(i) for i in (_get(config, "kv_source_layer_ids") or ()) if int(i) < n))
+    idx_src = tuple(sorted(int(i) for i in (_get(config, "index_source_layer_ids") or ()) if int(i) < n))
+    if not any(ratios):
+        return kv_src, idx_src
+    if int(_get(config, "candidate_source_layer_id", -1)) >= 0 and int(_get(config, "candidate_topk_blocks", 0)) > 0:
+        raise NotImplementedError(
+            "aligned DeepSeek-V4.1: the candidate-block prefilter (candidate_source_layer_id / "
+            "candidate_topk_blocks) is not reproduced; set candidate_source_layer_id -1")
+    for i, r in enumerate(ratios):
+        if r == 0:
+            if i in kv_src or i in idx_src:
+                raise ValueError(f"DeepSeek-V4.1 layer {i}: a kv / index source must be a compressed layer")
+            continue
+        ks = [s for s in kv_src if s <= i]
+        js = [s for s in idx_src if s <= i]
+        if not ks or not js:
+            raise ValueError(f"DeepSeek-V4.1 layer {i} (compress_ratio {r}): no kv_source_layer_ids / "
+                             f"index_source_layer_ids entry at or below it ({kv_src}, {idx_src})")
+        j = max(js)
+        kj = max(s for s in kv_src if s <= j)
+        if kj not in idx_src:
+            raise ValueError(f"DeepSeek-V4.1 layer {j}: its index keys come from kv source {kj}, which is "
+                             "not an index source (only those own indexer.wk / k_norm)")
+        if len({r, ratios[max(ks)], ratios[j], ratios[kj]}) != 1:
+            raise NotImplementedError(
+                f"aligned DeepSeek-V4.1 layer {i}: compress_ratio {r} but its kv source {max(ks)} / index "
+                f"source {j} (keys from {kj}) have ratios {ratios[max(ks)]} / {ratios[j]} / {ratios[kj]}")
+    return kv_src, idx_src
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,6 +287,22 @@ def parameter_shapes(c: V41Config) -> dict[str, tuple[tuple[int, ...], str]]:
         out[p + "wkv.weight"] = (((n + 1) * H, c.engram_cols * c.engram_head_dim), "model")
         out[p + "q_weight"] = ((n, H), "model")
         out[p + "k_weight"] = ((n, H), "model")
+    D, Di, Hi = c.head_dim, c.index_head_dim, c.index_n_heads
+    for i in range(c.num_layers):
+        if c.layer_kinds[i] != V41C:
+            continue
+        a = f"layers.{i}.attn."
+        if i in c.kv_source_layer_ids:
+            out[a + "compressor.wkv.weight"] = ((D, H), "model")
+            if c.compress_ratios[i] == 2:  # ratio 1 pools single tokens: no gate
+                out[a + "compressor.wgate.weight"] = ((D, H), "model")
+            out[a + "compressor.norm.weight"] = ((D,), "model")
+        if i in c.index_source_layer_ids:
+            out[a + "indexer.wq_b.weight"] = ((Hi * Di, c.q_lora_rank), "model")
+            out[a + "indexer.weights_proj.weight"] = ((Hi, H), "model")
+            if i in c.kv_source_layer_ids:
+                out[a + "indexer.wk.weight"] = ((Di, D), "model")
+                out[a + "indexer.k_norm.weight"] = ((Di,), "model")
     return out
 
 
@@ -327,6 +419,115 @@ def engram_forward(c: V41Config, w: Getter, streams: torch.Tensor, hashes: torch
 
 
 # --------------------------------------------------------------------------------------------------
+# Compressed attention (compress_ratios 1 / 2, kv / index sources)
+# --------------------------------------------------------------------------------------------------
+#
+# vLLM 0.32 (``deepseek_v41/attention.py``, ``compressor.py``, ``common/ops/
+# fused_compress_quant_cache.py``, ``indexer_k_store.py``): a kv-source layer's compressor projects
+# ``x`` to ``kv`` (and, at ratio 2, ``score``) rows; group j (tokens j*r .. j*r + r - 1) is pooled
+# when its last token arrives (ratio 1: the row itself; ratio 2: ``sum softmax_slots(score) * kv``,
+# per channel, no position bias, no overlap), RMS-normed (``compressor.norm``) into a *latent*. The
+# main compressed entry is the latent with RoPE (compress base) at the group's first position
+# j*r; the index key is ``k_norm(indexer.wk(latent))`` with RoPE there. An index-source layer
+# scores its kv source's keys with its own ``indexer.wq_b`` / ``weights_proj`` queries (V4's
+# formula) and publishes the top ``index_topk`` of the n_ready = (p + 1) // r complete groups
+# (every one while there are fewer: vLLM's short-context path); a compressed layer attends its
+# sliding window plus the entries its index source chose, read from its kv source's cache.
+
+
+def token_state(c: V41Config, w: Getter, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
+    """V4's per-token state (:func:`kernels.models.dsv4.token_state`: ``q``, ``payload`` = key) plus,
+    on a kv source, the compressor rows in the payload and, on an index source, ``idx_q`` / ``idx_w``."""
+    out = V4.token_state(c, w, layer, x, positions)
+    if c.layer_kinds[layer] != V41C:
+        return out
+    if layer in c.kv_source_layer_ids:
+        parts = [out["payload"], kernels.linear(x, w("attn.compressor.wkv.weight")).to(x.dtype)]
+        if c.compress_ratios[layer] == 2:
+            parts.append(kernels.linear(x, w("attn.compressor.wgate.weight")).to(x.dtype))
+        out["payload"] = torch.cat(parts, dim=-1)
+    if layer in c.index_source_layer_ids:
+        Hi, Di = c.index_n_heads, c.index_head_dim
+        T = x.shape[0]
+        q_res = kernels.rms_norm(kernels.linear(x, w("attn.wq_a.weight")), w("attn.q_norm.weight"), c.rms_norm_eps)
+        iq = kernels.linear(q_res, w("attn.indexer.wq_b.weight")).view(T, Hi, Di)
+        cos, sin = V4.rope_tables(c, layer, positions)
+        out["idx_q"] = V4.rope_tail(iq, cos, sin)
+        out["idx_w"] = kernels.linear(x, w("attn.indexer.weights_proj.weight"), out_dtype=torch.float32) * (Hi ** -0.5)
+    return out
+
+
+def compressed_latents(c: V41Config, w_src: Getter, source: int, history: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``[L // r, D]`` latents of one sequence from kv-source layer ``source``'s payload
+    ``history[L, >= payload_width]`` (``w_src`` relative to ``layers.{source}.``): pooled in fp32,
+    RMS-normed in fp32, rounded to ``dtype`` once."""
+    D, r = c.head_dim, c.compress_ratios[source]
+    n = history.shape[0] // r
+    kv = history[: n * r, D : 2 * D].to(torch.float32)
+    if r == 1:
+        pooled = kv
+    else:
+        gate = history[: n * r, 2 * D : 3 * D]
+        pooled = kernels.compress_windows(kv, gate, torch.zeros(r, D), r, overlap=False)
+    return kernels.rms_norm(pooled, w_src("attn.compressor.norm.weight").to(torch.float32), c.rms_norm_eps).to(dtype)
+
+
+def rope_groups(c: V41Config, x: torch.Tensor, ratio: int) -> torch.Tensor:
+    """RoPE (compress base, interleaved tail) of per-group rows ``x[N, d]`` at positions j * ratio."""
+    cos, sin = kernels.rope_cos_sin(torch.arange(x.shape[0]) * ratio, c.rope_dim, inv_freq=c.inv_freq_compress)
+    return V4.rope_tail(x.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def index_keys(c: V41Config, w_src: Getter, latents: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``[N, Di]``: ``k_norm(indexer.wk(latent))`` with RoPE at the group position."""
+    k = kernels.rms_norm(kernels.linear(latents, w_src("attn.indexer.wk.weight")),
+                         w_src("attn.indexer.k_norm.weight"), c.rms_norm_eps)
+    return rope_groups(c, k, ratio)
+
+
+def select_compressed(c: V41Config, layer: int, state: dict, positions: torch.Tensor, keys: torch.Tensor
+                      ) -> torch.Tensor:
+    """Index-source layer ``layer``: boolean ``[T, N]`` of the entries each query keeps (top
+    ``index_topk`` of the complete groups, ties to the lower index)."""
+    n_ready = torch.div(positions + 1, c.compress_ratios[layer], rounding_mode="floor")
+    scores = kernels.indexer_scores(state["idx_q"], state["idx_w"], keys, c.index_head_dim ** -0.5)
+    return kernels.select_entries(scores, n_ready, c.index_topk)
+
+
+def attend_compressed(c: V41Config, g: Getter, layer: int, state: dict, positions: torch.Tensor,
+                      histories: Mapping[int, torch.Tensor], keep: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Queries of ONE sequence in layer ``layer`` (``g`` the GLOBAL getter) against that sequence's
+    payload histories by layer (``histories[layer]`` and, on compressed layers, the kv source's and the
+    index source's key source's; row j = position j, every query position < L). ``keep``: the
+    selection the index source published for these queries (computed here on an index source).
+    Returns ``(out [T, H, D], keep)``; sliding layers return ``keep`` unchanged."""
+    D = c.head_dim
+    w = lambda n: g(f"layers.{layer}." + n)
+    kv = histories[layer][:, :D]
+    if c.layer_kinds[layer] != V41C:
+        o = kernels.sink_attention(state["q"], positions, kv, w("attn.attn_sink"), D ** -0.5, window=c.sliding_window)
+        return o, keep
+    dtype, r = state["q"].dtype, c.compress_ratios[layer]
+    src = c.kv_source(layer)
+    w_src = lambda n: g(f"layers.{src}." + n)
+    latents = compressed_latents(c, w_src, src, histories[src], dtype)
+    if layer in c.index_source_layer_ids:
+        ksrc = c.kv_source(layer)
+        klat = latents if ksrc == src else compressed_latents(
+            c, lambda n: g(f"layers.{ksrc}." + n), ksrc, histories[ksrc], dtype)
+        keys = index_keys(c, lambda n: g(f"layers.{ksrc}." + n), klat, r)
+        keep = select_compressed(c, layer, state, positions, keys)
+    elif keep is None:
+        raise ValueError(f"layer {layer}: pass the selection of its index source {c.index_source(layer)}")
+    comp = rope_groups(c, latents, r)
+    o = kernels.sink_attention(state["q"], positions, kv, w("attn.attn_sink"), D ** -0.5,
+                               window=c.sliding_window, comp=comp, comp_keep=keep[:, : comp.shape[0]])
+    return o, keep
+
+
+# --------------------------------------------------------------------------------------------------
 # Delayed hyper-connections
 # --------------------------------------------------------------------------------------------------
 
@@ -380,7 +581,7 @@ def layer_forward(
     pre, post, comb = hc_coefficients(c, streams, *V4.hc_args(c, w, "attn"))
     x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(hc_collapse(streams, pre_mix), w("attn_norm.weight"),
                                                         c.rms_norm_eps))
-    o = tap(f"layer{layer}.attention", attend(V4.token_state(c, w, layer, x, positions)))
+    o = tap(f"layer{layer}.attention", attend(token_state(c, w, layer, x, positions)))
     a = tap(f"layer{layer}.attn_out", V4.attn_output(c, w, layer, o, positions))
     streams = kernels.hc_expand(streams, a, post, comb)
     attn_pre = pre
@@ -414,9 +615,10 @@ def token_map_of(dir_or_tokenizer, c: Optional[V41Config] = None) -> torch.Tenso
     the tiny models) map to the pad token's compressed id; vLLM would read past its map there."""
     tok = dir_or_tokenizer
     if isinstance(tok, (str, os.PathLike)):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PretrainedConfig
 
-        tok = AutoTokenizer.from_pretrained(os.fspath(tok))
+        # config given: transformers' DeepseekV4Config cannot parse V4.1's compress_ratios 1 / 2
+        tok = AutoTokenizer.from_pretrained(os.fspath(tok), config=PretrainedConfig())
     m = compressed_token_map(tok)[0]
     if c is not None and len(m) < c.vocab_size:
         m = m + [m[c.engram_pad_token_id]] * (c.vocab_size - len(m))
@@ -434,16 +636,20 @@ def forward_logits(c: V41Config, g: Getter, input_ids: torch.Tensor, token_map: 
         hashes = torch.cat([ngram_hashes(c, token_map, input_ids[b], torch.arange(S)) for b in range(B)])
     streams = V4.embed(c, g("embed.weight"), ids)
     pre = None
+    histories: list[dict] = [{} for _ in range(B)]  # per sequence: layer -> payload rows
+    keeps: list = [None] * B  # per sequence: the latest index source's selection
     for i in range(c.num_layers):
         pre_ = f"layers.{i}."
         w = lambda n, pre_=pre_: g(pre_ + n)
 
-        def attend(state, i=i, w=w):
+        def attend(state, i=i):
             outs = []
             for b in range(B):
                 rows = slice(b * S, (b + 1) * S)
                 st = {k: v[rows] for k, v in state.items()}
-                outs.append(V4.attend_sequence(c, w, i, st, pos[rows], state["payload"][rows]))
+                histories[b][i] = st["payload"]
+                o, keeps[b] = attend_compressed(c, g, i, st, pos[rows], histories[b], keeps[b])
+                outs.append(o)
             return torch.cat(outs, dim=0)
 
         streams, pre = layer_forward(c, w, i, streams, pre, ids, pos, attend, engram_rows(c, hashes, i))

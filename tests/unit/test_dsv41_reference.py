@@ -191,8 +191,15 @@ def test_config_refuses_what_is_not_reproduced(ckpt):
     import json
 
     cfg = json.loads((ckpt / "config.json").read_text())
-    with pytest.raises(NotImplementedError, match="compress_ratios"):
-        R.v41_config({**cfg, "compress_ratios": [0, 1, 2, 0], "kv_source_layer_ids": [1]})
+    with pytest.raises(NotImplementedError, match="compress_ratios must be 0, 1 or 2"):
+        R.v41_config({**cfg, "compress_ratios": [0, 4, 0, 0], "kv_source_layer_ids": [1]})
+    with pytest.raises(NotImplementedError, match="candidate-block prefilter"):
+        R.v41_config({**cfg, "compress_ratios": [0, 2, 2, 0], "kv_source_layer_ids": [1], "index_source_layer_ids": [1],
+                      "candidate_source_layer_id": 1, "candidate_topk_blocks": 2})
+    with pytest.raises(NotImplementedError, match="have ratios"):  # layer 2 (ratio 1) on layer 1's ratio-2 cache
+        R.v41_config({**cfg, "compress_ratios": [0, 2, 1, 0], "kv_source_layer_ids": [1], "index_source_layer_ids": [1]})
+    with pytest.raises(ValueError, match="no kv_source_layer_ids"):
+        R.v41_config({**cfg, "compress_ratios": [0, 1, 2, 0], "kv_source_layer_ids": [2], "index_source_layer_ids": [2]})
     with pytest.raises(NotImplementedError, match="layer 0"):
         R.v41_config({**cfg, "engram_layer_ids": [0, 3]})
     with pytest.raises(ValueError, match="engram_num_embeddings"):
@@ -200,3 +207,146 @@ def test_config_refuses_what_is_not_reproduced(ckpt):
     c = R.v41_config(cfg)
     names = R.parameter_shapes(c)
     assert "hc_head_fn" not in names and "layers.1.engram.wkv.weight" in names and "layers.0.engram.q_weight" not in names
+
+
+# --------------------------------------------------------------------------------------------------
+# Compressed layers (compress_ratios 1 / 2, kv / index sources)
+# --------------------------------------------------------------------------------------------------
+
+# layer 1: ratio-2 kv + index source; 2: index source on layer 1's keys; 3: consumer of 1's cache and
+# 2's selection; 4: its own ratio-1 kv + index source.
+COMPRESSED = dict(num_hidden_layers=5, compress_ratios=[0, 2, 2, 2, 1], kv_source_layer_ids=[1, 4],
+                  index_source_layer_ids=[1, 2, 4])
+
+
+@pytest.fixture(scope="module")
+def cmodel(tmp_path_factory):
+    from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
+
+    d = tmp_path_factory.mktemp("dsv41c")
+    make_tiny_dsv41_checkpoint(d, seed=1, **COMPRESSED)
+    c = R.v41_config(d)
+    return c, V4.load_state_dict(str(d)), R.token_map_of(d, c)
+
+
+def _f64_attention(c, sd, xs, S):
+    """Float64 restatement of layers 1-4's attention from their normed inputs ``xs[i] [S, H]`` (one
+    sequence, positions 0..S-1): vLLM 0.32's V4.1 compressed path written out with no kernels op."""
+    g = lambda n: sd[n].double()
+    D, Hn, r_dim, eps = c.head_dim, c.num_heads, c.rope_dim, c.rms_norm_eps
+    Hi, Di = c.index_n_heads, c.index_head_dim
+    pos = torch.arange(S, dtype=torch.float64)
+
+    def norm(x, w=None):
+        y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+        return y if w is None else y * w
+
+    def rope(x, p):  # interleaved pairs on the last r_dim channels, compress base
+        ang = p[:, None] * c.inv_freq_compress.double()[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        while cos.dim() < x.dim():
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        a, b = x[..., -r_dim::2], x[..., -r_dim + 1::2]
+        out = x.clone()
+        out[..., -r_dim::2], out[..., -r_dim + 1::2] = a * cos - b * sin, b * cos + a * sin
+        return out
+
+    lat, keys, keep, outs = {}, {}, None, {}
+    for i in range(1, 5):
+        p = f"layers.{i}.attn."
+        x, ratio = xs[i].double(), c.compress_ratios[i]
+        q_res = norm(x @ g(p + "wq_a.weight").T, g(p + "q_norm.weight"))
+        q = rope(norm((q_res @ g(p + "wq_b.weight").T).view(S, Hn, D)), pos)
+        kv = rope(norm(x @ g(p + "wkv.weight").T, g(p + "kv_norm.weight")), pos)
+        if i in c.kv_source_layer_ids:
+            ckv = x @ g(p + "compressor.wkv.weight").T
+            n = S // ratio
+            if ratio == 1:
+                pooled = ckv
+            else:
+                sc = (x @ g(p + "compressor.wgate.weight").T)[: n * 2].view(n, 2, D)
+                pooled = (ckv[: n * 2].view(n, 2, D) * torch.softmax(sc, dim=1)).sum(1)
+            lat[i] = norm(pooled, g(p + "compressor.norm.weight"))
+            gp = torch.arange(n, dtype=torch.float64) * ratio
+            keys[i] = rope(norm(lat[i] @ g(p + "indexer.wk.weight").T, g(p + "indexer.k_norm.weight")), gp)
+        src = c.kv_source(i)
+        n = S // ratio
+        n_ready = torch.div(torch.arange(S) + 1, ratio, rounding_mode="floor")
+        if i in c.index_source_layer_ids:
+            iq = rope((q_res @ g(p + "indexer.wq_b.weight").T).view(S, Hi, Di), pos)
+            iw = (x @ g(p + "indexer.weights_proj.weight").T) * Hi ** -0.5
+            sc = (torch.relu(torch.einsum("thd,nd->thn", iq, keys[src])) * Di ** -0.5 * iw[:, :, None]).sum(1)
+            keep = torch.zeros(S, n, dtype=torch.bool)
+            for t in range(S):
+                ready = int(n_ready[t])
+                order = sorted(range(ready), key=lambda j: (-float(sc[t, j]), j))
+                keep[t, order[: c.index_topk]] = True
+        comp = rope(lat[src], torch.arange(n, dtype=torch.float64) * ratio)
+        sink = g(p + "attn_sink")
+        o = torch.empty(S, Hn, D, dtype=torch.float64)
+        for t in range(S):
+            win = kv[max(0, t - c.sliding_window + 1): t + 1]
+            vals = torch.cat([win, comp[keep[t]]])
+            logits = torch.einsum("hd,nd->hn", q[t], vals) * D ** -0.5
+            m = torch.maximum(logits.amax(-1), sink)
+            e = torch.exp(logits - m[:, None])
+            o[t] = (e @ vals) / (e.sum(-1) + torch.exp(sink - m))[:, None]
+        outs[i] = (o, keep.clone())
+    return outs
+
+
+def test_compressed_attention_matches_float64_restatement(cmodel):
+    c, sd, _ = cmodel
+    S = 40
+    gen = torch.Generator().manual_seed(7)
+    xs = {i: torch.randn(S, c.hidden_size, generator=gen) for i in range(1, 5)}
+    ref = _f64_attention(c, sd, xs, S)
+    pos = torch.arange(S)
+    hist, keep = {}, None
+    for i in range(1, 5):
+        w = lambda n, i=i: sd[f"layers.{i}." + n]
+        st = R.token_state(c, w, i, xs[i], pos)
+        assert st["payload"].shape[1] == c.payload_width(i)
+        hist[i] = st["payload"]
+        o, keep = R.attend_compressed(c, sd.__getitem__, i, st, pos, hist, keep)
+        o64, keep64 = ref[i]
+        assert torch.equal(keep, keep64), f"layer {i}: selection"
+        err = (o.double() - o64).abs().max().item()
+        print(f"layer {i}: max |o - o64| {err:.2e}, kept {int(keep.sum())} of {keep.numel()}")
+        assert err < 2e-5, (i, err)
+        # the selection is sparse for the long rows (top 3 of up to 20 / 40 groups)
+        assert int(keep[-1].sum()) == c.index_topk
+
+
+def test_compressed_decode_chunks_equal_prefill_and_batch_invariance(cmodel):
+    import kernels
+
+    c, sd, tm = cmodel
+    ids = torch.randint(0, c.vocab_size, (3, 37), generator=torch.Generator().manual_seed(5))
+    full = R.reference_logits(sd, c, ids, tm)
+    seq = ids[1]
+    for chunk in (1, 7):
+        caches: dict = {}
+        rows = []
+        for a in range(0, len(seq), chunk):
+            b = min(a + chunk, len(seq))
+            part, pos = seq[a:b], torch.arange(a, b)
+            hashes = R.ngram_hashes(c, tm, seq[:b], pos)
+            st, pre, keep = V4.embed(c, sd["embed.weight"], part), None, [None]
+            for i in range(c.num_layers):
+                w = lambda n, i=i: sd[f"layers.{i}." + n]
+
+                def attend(state, i=i):
+                    caches[i] = torch.cat([caches.get(i, torch.empty(0, c.payload_width(i))), state["payload"]])
+                    o, keep[0] = R.attend_compressed(c, sd.__getitem__, i, state, pos, caches, keep[0])
+                    return o
+
+                st, pre = R.layer_forward(c, w, i, st, pre, part, pos, attend, R.engram_rows(c, hashes, i))
+            rows.append(kernels.lm_head_logits(R.final_hidden(c, sd.__getitem__, st, pre), sd["head.weight"],
+                                               out_dtype=torch.float32))
+        assert torch.equal(torch.cat(rows), full[1]), chunk
+    assert torch.equal(R.reference_logits(sd, c, ids[1:2], tm)[0], full[1])
+    assert torch.equal(R.reference_logits(sd, c, ids[[2, 0, 1]], tm)[2], full[1])
+    # the compressed entries are live: without layer 1's compressor rows the logits move
+    sd0 = {k: (torch.zeros_like(v) if k == "layers.1.attn.compressor.wkv.weight" else v) for k, v in sd.items()}
+    assert (R.reference_logits(sd0, c, ids[1:2], tm)[0] - full[1]).abs().max() > 1e-4
