@@ -403,8 +403,13 @@ class RolloutClient:
         return dict(self.last_sync)
 
     def engine_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
-        """The first server's checksums (verify_sync checks every server)."""
-        return self._servers[0].rpc("rz_checksums", names)[0]
+        """The first server's checksums, every worker's merged (a pipeline stage reports only its
+        layers; verify_sync checks every server and worker)."""
+        merged: dict[str, dict] = {}
+        for part in self._servers[0].rpc("rz_checksums", names):
+            for n, e in part.items():
+                merged.setdefault(n, e)
+        return merged
 
     def verify_sync(self, named_tensors: Iterable[tuple[str, Any]], *, rtol: float = 1e-6, min_checked: int = 1) -> dict:
         """transport.check_weights against every server's engine (only checksums cross the network)."""
