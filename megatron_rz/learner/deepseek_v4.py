@@ -154,13 +154,23 @@ class DeepseekV4Layer(nn.Module):
         self.attn = build_module(submodules["attention"], c, index, dtype)
         self.ffn = build_module(submodules["moe"], c, index, dtype)
 
-    def forward(self, streams, input_ids, positions, seq_len: int, pre_mix=None, hashes=None):
-        """V4: ``streams``; V4.1: ``(streams, pre_mix)`` (``hashes``: every engram layer's n-gram rows)."""
+    def forward(self, streams, input_ids, positions, seq_len: int, pre_mix=None, hashes=None, shared=None):
+        """V4: ``streams``; V4.1: ``(streams, pre_mix)`` (``hashes``: every engram layer's n-gram rows;
+        ``shared``: with compressed layers, the model's global getter ``g`` and per sequence the
+        payload histories by layer ``hist`` and the latest index source's selection ``keep``)."""
         def attend(state):
             outs = []  # one sequence at a time, over its own payload rows
-            for b0 in range(0, state["q"].shape[0], seq_len):
+            for n, b0 in enumerate(range(0, state["q"].shape[0], seq_len)):
                 rows = slice(b0, b0 + seq_len)
-                outs.append(self.attn({k: v[rows] for k, v in state.items()}, positions[rows], state["payload"][rows]))
+                st = {k: v[rows] for k, v in state.items()}
+                if shared is None:
+                    outs.append(self.attn(st, positions[rows], state["payload"][rows]))
+                    continue
+                hist = shared["hist"].setdefault(n, {})
+                hist[self.index] = st["payload"]
+                o, shared["keep"][n] = R41.attend_compressed(self.c, shared["g"], self.index, st, positions[rows],
+                                                             hist, shared["keep"].get(n))
+                outs.append(o)
             return torch.cat(outs, dim=0)
 
         # names relative to the layer ("attn.wq_a.weight" lives in the attention submodule)
@@ -231,8 +241,10 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
                     hashes = torch.cat([R41.ngram_hashes(c, token_map, input_ids[r], torch.arange(s))
                                         for r in range(b)])
                 pre = None
+                shared = ({"g": lambda n: R.lookup(self, n), "hist": {}, "keep": {}} if any(c.compress_ratios)
+                          else None)
                 for layer in self.layers:
-                    streams, pre = layer(streams, ids, pos, s, pre, hashes)
+                    streams, pre = layer(streams, ids, pos, s, pre, hashes, shared)
                 h = R41.final_hidden(c, lambda n: R.lookup(self, n), streams, pre)
             else:
                 for layer in self.layers:

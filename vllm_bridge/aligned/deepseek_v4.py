@@ -161,6 +161,11 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         return kernels.finish_linear(kernels.sum_partials(list(allp.unbind(0))), None, x.dtype)
 
     # ---- attention through the paged payload cache ---------------------------------------------
+    def _attend_rows(self, c, w, i: int, rows: dict, a: int, b: int, q_positions: torch.Tensor,
+                     history: torch.Tensor) -> torch.Tensor:
+        """Queries ``rows`` (batch rows ``a:b``, one sequence) of layer ``i`` against its payload history."""
+        return R.attend_sequence(c, w, i, rows, q_positions, history)
+
     def _attend(self, i: int, layer: nn.Module, state: dict, positions: torch.Tensor) -> torch.Tensor:
         c = self.rz_c
         T = state["q"].shape[0]
@@ -175,7 +180,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         def history_fn(a: int, b: int, q_positions: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
             rows = {k: v[a:b] for k, v in state.items() if k != "payload"}
             self._on_history(i, a, b, q_positions, history)
-            return R.attend_sequence(c, w, i, rows, q_positions, history).reshape(b - a, HD)
+            return self._attend_rows(c, w, i, rows, a, b, q_positions, history).reshape(b - a, HD)
 
         # The backend calls history_fn for each sequence of the batch (see attention_backend).
         cache.impl.rz_history_fn = history_fn

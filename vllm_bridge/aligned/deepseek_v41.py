@@ -44,6 +44,8 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
                              else torch.zeros(c.vocab_size, dtype=torch.int64))
         self._hashes: Optional[torch.Tensor] = None
         self._ids: Optional[torch.Tensor] = None
+        self._seq_hist: dict = {}
+        self._seq_keep: dict = {}
 
     def _read_config(self, hf_config):
         return R.v41_config(hf_config)
@@ -69,6 +71,18 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
         ids = d[:, 0] + 256 * d[:, 1] + 65536 * d[:, 2]
         self._hashes[a:b] = R.ngram_hashes(self.c, self.rz_token_map, ids, q_positions)
 
+    # ---- compressed layers: a sequence's source-layer histories within one forward ---------------
+    def _attend_rows(self, c, w, i, rows, a, b, q_positions, history):
+        if not any(c.compress_ratios):
+            return super()._attend_rows(c, w, i, rows, a, b, q_positions, history)
+        # Layers run in order, so a compressed layer finds its kv / index sources' histories of the
+        # same sequence (the same batch rows a:b) and its index source's selection, from this step.
+        hist = self._seq_hist.setdefault((a, b), {})
+        hist[i] = history
+        o, self._seq_keep[(a, b)] = R.attend_compressed(c, self.get_parameter, i, rows, q_positions, hist,
+                                                        self._seq_keep.get((a, b)))
+        return o
+
     # ---- vLLM model interface --------------------------------------------------------------------
     def forward(
         self,
@@ -85,6 +99,7 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
         self._ids = input_ids
         # filled per sequence by layer 0's attention (zeros, a valid row, on vLLM's profiling run)
         self._hashes = torch.zeros(T, len(c.engram_layer_ids), c.engram_cols, dtype=torch.int64)
+        self._seq_hist, self._seq_keep = {}, {}
         try:
             streams = V4.embed(c, self.embed.weight, input_ids)
             pre = None
@@ -97,3 +112,4 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
             return R.final_hidden(c, self.get_parameter, streams, pre)
         finally:
             self._ids = self._hashes = None
+            self._seq_hist, self._seq_keep = {}, {}
