@@ -247,7 +247,10 @@ def test_engine_wider_than_a_node_is_vllm_multinode_and_bitwise_equal(setup, tmp
     procs = []
     try:
         for rank, extra in enumerate((["--host", "127.0.0.1", "--port", str(port), "--node", "tp", "--record", str(rec)], [])):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_OMP_THREADS_BIND": str(rank)}
+            # INFO: the check below reads vLLM's "headless" start-up line (an in-process test of the same
+            # worker may have set megatron_rz.launch.runtime's VLLM_LOGGING_LEVEL=WARNING default)
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_OMP_THREADS_BIND": str(rank),
+                   "VLLM_LOGGING_LEVEL": "INFO"}
             procs.append(subprocess.Popen([*common, "--node-rank", str(rank), *extra], cwd=ROOT, env=env,
                                           stdout=open(tmp_path / f"tp{rank}.log", "w"), stderr=subprocess.STDOUT,
                                           start_new_session=True))

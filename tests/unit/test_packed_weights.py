@@ -21,7 +21,9 @@ def _fake_model():
     layer.mlp = nn.Module()
     layer.mlp.experts, layer.mlp.rz_stacks = M._packed_experts(torch.float32, 3, 8, 4)
     layer.mlp.shared_experts = M._packed_mlp(torch.float32, 8, 4)
-    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer]))
+    # one pipeline stage holding layer 0 (rz_start / rz_end: the stage's layers, RZAlignedForCausalLM)
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer]), rz_start=0, rz_end=1)
+    model._stage_layers = types.MethodType(M.RZAlignedForCausalLM._stage_layers, model)
     return model, layer
 
 
