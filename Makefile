@@ -37,8 +37,15 @@ demo: install
 	env $(DEMO_ENV) $(BIN)/rz train $(RECIPE) $(DEMO_OVERRIDES)
 	@env $(DEMO_ENV) $(BIN)/python -m megatron_rz.learner.pretrained --recipe $(RECIPE) $(DEMO_OVERRIDES)
 
+# make test runs the test files on TEST_WORKERS pytest-xdist workers (a file's tests stay on one
+# worker: its module-scoped engines are shared). Most tests wait on process start-up, engine
+# start-up and collectives, so two workers keep a 2-core box busy; OMP_WAIT_POLICY=PASSIVE makes
+# idle OpenMP threads sleep instead of spinning, which otherwise thrashes when the two workers'
+# processes share the cores (see DEMO_ENV). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
 test: install
-	@t0=$$(date +%s); $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
+	@t0=$$(date +%s); OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=30 tests; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - t0 )) s (exit $$rc)"; exit $$rc
 
 clean:
