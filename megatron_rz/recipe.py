@@ -42,8 +42,8 @@ class ModelConfig(_Strict):
 
     # deepseek_v4: learner megatron_rz/learner/deepseek_v4.py (DP + EP), aligned vLLM class vllm_bridge/aligned/deepseek_v4.py.
     # qwen2: dense Qwen2ForCausalLM (q/k/v biases, no QK-norm; num_experts=0, head_dim = hidden / heads).
-    # deepseek_v41: DeepSeek-V4.1 (engram, delayed hc pre-mix; sliding-window layers only): the V4 learner
-    # module, kernels/models/dsv41.py, vllm_bridge/aligned/deepseek_v41.py; model.compress_ratios all 0.
+    # deepseek_v41: DeepSeek-V4.1 (engram, delayed hc pre-mix, compressed layers of ratio 1 / 2): the V4
+    # learner module, kernels/models/dsv41.py, vllm_bridge/aligned/deepseek_v41.py.
     # kimi_k3: Kimi-Linear / K3 class (KDA + NoPE MLA + latent MoE): learner megatron_rz/learner/kimi_k3.py
     # (DP + EP), kernels/models/kimi_k3.py, vllm_bridge/aligned/kimi_k3.py. KDA heads = num_attention_heads of
     # head_dim; MLA sizes as deepseek_v3's keys; the K3 options are set in tiny_models.TINY_KIMI_K3.
@@ -147,9 +147,9 @@ class ModelConfig(_Strict):
             len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 4, 128}
         ):
             raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
-        if self.arch == "deepseek_v41" and (len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0}):
-            raise ValueError("deepseek_v41 needs model.compress_ratios: 0 per layer (num_layers entries; V4.1's "
-                             "compressed layers are not reproduced yet, kernels/models/dsv41.py)")
+        if self.arch == "deepseek_v41" and (len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 1, 2}):
+            raise ValueError("deepseek_v41 needs model.compress_ratios: one of 0, 1, 2 per layer (num_layers entries; "
+                             "the tiny models' kv / index sources: the first layer of each run of one ratio)")
         if self.arch in ("deepseek_v4", "deepseek_v41") and not 0 <= self.num_hash_layers <= self.num_layers:
             raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
         if self.fp8 != "none" and self.arch == "qwen2":

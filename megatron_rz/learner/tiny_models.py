@@ -375,7 +375,9 @@ def deepseek_v41_config_dict(tokenizer, **overrides) -> dict:
     cfg.update(engram_compressed_vocab_size=cvocab, pad_token_id=tokenizer.pad_token_id,
                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
                engram_pad_token_id=tokenizer.pad_token_id, architectures=["DeepseekV41ForCausalLM"],
-               model_type="deepseek_v4")
+               # compressed layers (ratios 1 / 2): transformers' DeepseekV4Config refuses them and drops
+               # compress_ratios; V4.1 ships as deepseek_v41 (vLLM's DeepseekV41Config)
+               model_type="deepseek_v41" if any(cfg.get("compress_ratios") or ()) else "deepseek_v4")
     primes = dsv41.engram_primes(len(cfg["engram_layer_ids"]), cfg["engram_max_ngram_size"], cfg["engram_n_heads"],
                                  cfg["engram_vocab_size"])
     cfg["engram_num_embeddings"] = [sum(sum(p) for p in per) for per in primes]
@@ -429,7 +431,16 @@ def deepseek_v41_overrides(m: ModelConfig) -> dict:
         index_topk=m.index_topk, max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
         rope_theta=m.rope_theta, compress_rope_theta=m.compress_rope_theta, tie_word_embeddings=m.tie_word_embeddings,
         engram_layer_ids=sorted({1, m.num_layers - 1}) if m.num_layers > 1 else [],
+        # V4.1 compressed layers: the first layer of each run of one ratio owns the compressor and
+        # the indexer; the rest of the run shares them
+        kv_source_layer_ids=v41_sources(m.compress_ratios), index_source_layer_ids=v41_sources(m.compress_ratios),
     )
+
+
+def v41_sources(ratios) -> list[int]:
+    """The compressed layers that start a run of equal ``ratios`` (the tiny models' sources)."""
+    r = [int(x) for x in ratios]
+    return [i for i, x in enumerate(r) if x and (i == 0 or r[i - 1] != x)]
 
 
 class TinyDeepseekV41(torch.nn.Module):
