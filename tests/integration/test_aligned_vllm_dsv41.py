@@ -128,16 +128,15 @@ def test_generate_and_rescore_equal_reference(engine):
 
 def test_learner_equals_reference_and_round_trips(engine):
     """The Megatron learner on the same checkpoint: logprobs torch.equal the reference at several
-    micro-batch sizes, and its exported weights are the checkpoint's, exactly. (The recipe's arch
-    is given as deepseek_v4: learner.py dispatches on that value, and the V4 learner module builds
-    V4.1 from the checkpoint's config.json.)"""
+    micro-batch sizes, and its exported weights are the checkpoint's, exactly. (learner.py sends
+    deepseek_v41 to the V4 learner module, which builds V4.1 from the checkpoint's config.json.)"""
     from pathlib import Path
 
     from megatron_rz.learner.learner import Learner
     from megatron_rz.recipe import load_recipe
 
     root = Path(__file__).resolve().parents[2]
-    r = load_recipe(str(root / "recipes" / "tiny_dsv41.yaml"), ["model.arch=deepseek_v4"])
+    r = load_recipe(str(root / "recipes" / "tiny_dsv41.yaml"))
     learner = Learner(r.model, r.parallel, r.algo, hf_dir=str(engine["ckpt"]), train=False, mode="aligned")
     ids = torch.tensor([p[:26] + [1] * (26 - len(p[:26])) for p in PROMPTS[2:6]])
     ref = _reference(engine, ids.tolist())
