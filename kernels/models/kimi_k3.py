@@ -384,10 +384,9 @@ def fold_combine(y: torch.Tensor, w: torch.Tensor, extra: Optional[torch.Tensor]
     return _fold_combine(y, w, extra, odt)
 
 
-def kimi_moe_forward(c: KimiConfig, get: Getter, x: torch.Tensor) -> Tuple[torch.Tensor, dict]:
-    """The sparse MLP on ``x [T, H]`` (post-norm); ``get`` relative to the MoE prefix (``mlp.`` /
-    ``block_sparse_moe.``). Returns ``(out [T, H] in x.dtype, aux)`` with ``aux = {"ids", "weights"}``
-    (the routing, fp32 weights incl. the scaling factor)."""
+def route_and_shared(c: KimiConfig, get: Getter, x: torch.Tensor):
+    """The sparse MLP's routing and shared expert on ``x [T, H]``: ``(ids [T, k], fp32 weights
+    [T, k] incl. the scaling factor, shared expert output or None)``."""
     logits = kernels.router_logits(x, get("gate.weight"), out_dtype=torch.float32)
     ids, wts = kernels.route(
         logits, c.top_k, score=c.score, expert_bias=get("gate.e_score_correction_bias"),
@@ -396,6 +395,14 @@ def kimi_moe_forward(c: KimiConfig, get: Getter, x: torch.Tensor) -> Tuple[torch
     shared = None
     if c.num_shared_experts and get("shared_experts.down_proj.weight") is not None:
         shared = dense_mlp_forward(c, get, x, "shared_experts.")
+    return ids, wts, shared
+
+
+def kimi_moe_forward(c: KimiConfig, get: Getter, x: torch.Tensor) -> Tuple[torch.Tensor, dict]:
+    """The sparse MLP on ``x [T, H]`` (post-norm); ``get`` relative to the MoE prefix (``mlp.`` /
+    ``block_sparse_moe.``). Returns ``(out [T, H] in x.dtype, aux)`` with ``aux = {"ids", "weights"}``
+    (the routing, fp32 weights incl. the scaling factor)."""
+    ids, wts, shared = route_and_shared(c, get, x)
     if c.latent_size is None:
         y = _routed(c, get, x, ids)
         return _fold_combine(y, wts, shared, x.dtype), {"ids": ids, "weights": wts}

@@ -156,14 +156,7 @@ class KimiMoE(_Sub):
 
         from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq
 
-        logits = kernels.router_logits(x, get("gate.weight"), out_dtype=torch.float32)
-        ids, wts = kernels.route(
-            logits, c.top_k, score=c.score, expert_bias=get("gate.e_score_correction_bias"),
-            num_groups=c.num_groups, group_topk=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-            scaling_factor=c.routed_scaling_factor)
-        shared = None
-        if c.num_shared_experts and get("shared_experts.down_proj.weight") is not None:
-            shared = R.dense_mlp_forward(c, get, x, "shared_experts.")
+        ids, wts, shared = R.route_and_shared(c, get, x)
         z = x if c.latent_size is None else kernels.linear(x, get("routed_expert_down_proj.weight"))
         T, k = ids.shape
         z_all = gather_seq(z, self.group)  # autograd: all-gather forward, reduce-scatter backward
