@@ -52,8 +52,14 @@ def tensor_bits(t: torch.Tensor) -> int:
     sums above miss flips in low mantissa bits: they change a sum of ~1e3 values by ~1e-7)."""
     x = t.detach().contiguous().reshape(-1)
     x = x.view(_INT_VIEW[x.element_size()]).to(torch.int64)
-    w = (torch.arange(x.numel(), dtype=torch.int64, device=x.device) % 1000003) * 2 + 1
+    w = bits_weights(torch.arange(x.numel(), dtype=torch.int64, device=x.device))
     return int((x * w).sum())  # int64 arithmetic wraps: the sum is taken mod 2^64
+
+
+def bits_weights(flat_index: torch.Tensor) -> torch.Tensor:
+    """tensor_bits' odd position weights of flat positions (int64); the sum over parts of a tensor
+    of bits x weight is the tensor's (vllm_bridge.reshard.part_bits)."""
+    return (flat_index % 1000003) * 2 + 1
 
 
 def checksum_entry(p: torch.Tensor) -> dict:
@@ -140,8 +146,54 @@ class WeightSyncExtension:
             out[n] = checksum_entry(p)
         return out
 
+    def rz_shard_checksums(self) -> dict:
+        """{"rank", "sums": checksum_entry of every parameter} (a resharded sync checks them all)."""
+        model = self.model_runner.get_model()
+        return {"rank": int(self.rank), "sums": {n: checksum_entry(p) for n, p in model.named_parameters()}}
+
     def rz_param_names(self) -> list[str]:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]
+
+    def rz_shard_layout(self) -> dict:
+        """What this worker holds, for a resharded sync (vllm_bridge.reshard): its rank and, per
+        parameter (HF name), the full tensor's shape and the box (per dimension [start, stop)) this
+        worker holds of it, read from the aligned class's own ``rz_shards`` (name -> (dim, start,
+        n) of a TP-split parameter; every other parameter is held whole)."""
+        model = self.model_runner.get_model()
+        if not hasattr(model, "rz_shards"):
+            raise ValueError(f"rz_shard_layout: {type(model).__name__} is not an aligned class (no rz_shards): "
+                             "a resharded weight sync needs an aligned engine (rollout.weight_sync=full otherwise)")
+        shards, tp = model.rz_shards, int(getattr(model, "rz_tp", 1))
+        params = {}
+        for n, p in model.named_parameters():
+            shape, box = list(p.shape), [[0, s] for s in p.shape]
+            if n in shards:
+                dim, start, k = shards[n]
+                shape[dim] = k * tp
+                box[dim] = [start, start + k]
+            params[n] = {"shape": shape, "box": box, "dtype": str(p.dtype).replace("torch.", "")}
+        return {"rank": int(self.rank), "params": params}
+
+    def rz_stage_shards(self, directory: str) -> dict:
+        """Stage this worker's parts of a resharded version (``directory/rank{rank}/part-*.safetensors``,
+        vllm_bridge.reshard.ShardedFilesystemTransport), each parameter assembled to this worker's
+        shard; rz_commit_weights then loads them in place. Returns what was read."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from vllm_bridge.reshard import assemble, layout_from_reports
+
+        me = self.rz_shard_layout()
+        files = sorted((Path(directory) / f"rank{me['rank']}").glob("part-*.safetensors"))
+        parts: dict[str, torch.Tensor] = {}
+        for f in files:
+            parts.update(load_file(str(f)))
+        params = layout_from_reports([{**me, "rank": 0}])[0]
+        bucket = assemble(parts, params)
+        self._rz_staged_list().append(bucket)
+        return {"rank": me["rank"], "files": len(files), "file_bytes": sum(f.stat().st_size for f in files),
+                "bytes": sum(t.numel() * t.element_size() for t in parts.values()), "num_tensors": len(bucket)}
 
     def rz_param_shapes(self) -> dict[str, list[int]]:
         """{parameter name: shape} of this worker's model (a tensor-parallel worker's shards)."""

@@ -302,3 +302,41 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
             parts = _all_gather(t, tp, tp_group) if rule.kind != "replicated" else [t.detach()]
             full = _unshard(rule, parts)
             yield from zip(rule.hf_names, _hf_from_full(rule, full, model_cfg))
+
+
+@torch.no_grad()
+def local_hf_pieces(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...], tuple]]:
+    """Yield (HF name, this rank's piece, full HF shape, box) for every weight this rank holds, with
+    no collective and no copy of anything this rank does not hold: the box (per dimension
+    ``[start, stop)``) says where the piece sits in the full HF tensor (vllm_bridge/reshard.py).
+
+    The same rules as export_hf_weights: a replicated parameter is the whole tensor; a TP-split one
+    is the rank's block of each of its HF tensors (fused QKV: the rank's whole query groups are
+    one contiguous block of q, of k and of v; gated [gate; up]: a block of each; row / col: a block
+    along dim 0 / 1); a routed expert is the whole expert under its global index. Pieces are views
+    of the parameters where the layout allows (QKV's split is a copy of the rank's own shard)."""
+    if model_cfg.arch in ("deepseek_v4", "deepseek_v41", "kimi_k3"):
+        raise ValueError(f"model.arch={model_cfg.arch}: the resharded weight sync supports qwen3_moe, qwen2 and "
+                         "deepseek_v3 learners (rollout.weight_sync=full for this one)")
+    from types import SimpleNamespace
+
+    tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()
+    per_rank = _experts_per_rank(model_cfg, ep)
+    for name, t in _local_tensors(model):
+        rule = _rule(name, model_cfg, ep_rank, per_rank)
+        size, rank = (etp, etp_rank) if rule.expert else (tp, tp_rank)
+        t = t.detach()
+        if size == 1 or rule.kind == "replicated":
+            for hf, part in zip(rule.hf_names, _hf_from_full(rule, t, model_cfg)):
+                yield hf, part, tuple(part.shape), tuple((0, s) for s in part.shape)
+            continue
+        m = model_cfg
+        if rule.kind == "qkv":  # the rank's query groups: split them as a model of ng / size groups
+            m = SimpleNamespace(num_kv_heads=model_cfg.num_kv_heads // size, head_dim=model_cfg.head_dim,
+                                num_attention_heads=model_cfg.num_attention_heads // size)
+        dim = 1 if rule.kind == "col" else 0
+        for hf, part in zip(rule.hf_names, _hf_from_full(rule, t, m)):
+            n = part.shape[dim]
+            full = tuple(s * size if d == dim else s for d, s in enumerate(part.shape))
+            box = tuple((rank * n, (rank + 1) * n) if d == dim else (0, s) for d, s in enumerate(part.shape))
+            yield hf, part, full, box

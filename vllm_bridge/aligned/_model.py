@@ -42,7 +42,9 @@ segment order; needs K % 1024 == 0, else refused); routed experts (split whole) 
 intermediate counts by tp, each row-parallel K by ROW_PARALLEL_K_SEGMENTS) and refuses otherwise
 with a one-line ValueError naming the key.
 ``load_weights`` receives full Hugging Face tensors (start-up and the in-place reload of a weight
-sync) and narrows them to the rank's shard (``rz_shards``); other ranks' experts are skipped.
+sync) and narrows them to the rank's shard (``rz_shards``); other ranks' experts are skipped. A
+tensor already of the shard's shape (a resharded sync, vllm_bridge/reshard.py, which reads the
+layout from ``rz_shards`` through worker_ext.rz_shard_layout) is loaded as it is.
 Weight read-back for a sync's checksums (``vllm_bridge.worker_ext.rz_checksums``, rank 0) reads only
 the replicated kinds (embeddings, norms, router gate and bias), which are full tensors on every
 rank; sharded parameters are not read back (``rz_param_shapes`` reports each worker's shard shapes).
@@ -580,7 +582,9 @@ class RZAlignedForCausalLM(nn.Module):
                 # other tensor-parallel ranks' experts, other pipeline stages' layers / embeddings / norm / lm_head
                 continue
             shard = self.rz_shards.get(name)
-            if shard is not None:  # a full HF tensor: keep this rank's block
+            if shard is not None and tuple(w.shape) == tuple(p.shape):
+                pass  # already this rank's block (a resharded sync, vllm_bridge.reshard): loaded as it is
+            elif shard is not None:  # a full HF tensor: keep this rank's block
                 dim, start, n = shard
                 if w.shape[dim] != n * self.rz_tp:
                     raise ValueError(f"load_weights: {name} has shape {tuple(w.shape)}, expected the full "
