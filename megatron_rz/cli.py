@@ -4,7 +4,7 @@
              [--overwrite]                   holding another run's results is refused (megatron_rz.launch.rundir)
     rz check RECIPE [overrides]              per-token logprob parity, vLLM vs learner
     rz bench rollout RECIPE [overrides]      rollout step time aligned vs fast (ratio, one run)
-    rz bench async RECIPE [overrides]        updates/s async (max_lag 2) vs sync (ratio, one run)
+    rz bench async RECIPE [--lags 2,8] [overrides]  updates/s async (each max_lag) vs sync (ratios, one run)
     rz validate RECIPE [overrides]           check a recipe and print the resolved values
     rz make-model RECIPE --out DIR           tokenizer + tiny HF checkpoint + warm start
     rz plot RUN_DIR [RUN_DIR ... --out DIR]  redraw the PNG plots; several runs: overlay D3, reward, KL
@@ -169,7 +169,7 @@ def cmd_bench(args) -> int:
     recipe = _load(args)
     from megatron_rz.tools.bench import main_bench
 
-    return main_bench(recipe, args.what, args.rounds)
+    return main_bench(recipe, args.what, args.rounds, args.lags)
 
 
 def cmd_validate(args) -> int:
@@ -237,6 +237,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def _lags(text: str) -> tuple[int, ...]:
+    try:
+        lags = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers, e.g. 2,8") from None
+    if not lags or min(lags) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each lag must be >= 1 (sync, lag 0, always runs)")
+    return lags
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -292,10 +302,12 @@ def _main(argv: list[str]) -> int:
                         "name) by 1+2^-8 on that side only; the report must name its layer and op "
                         "(repeatable: e.g. one fault per side)")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async lag 2 vs sync)")
+    p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async at --lags vs sync)")
     p.add_argument("what", choices=["rollout", "async"])
     _recipe_args(p)
     p.add_argument("--rounds", type=_positive, default=5)
+    p.add_argument("--lags", type=_lags, default=(2,), metavar="L[,L...]",
+                   help="async: the max_lag values to run beside sync (max_lag 0), e.g. 2,8 (default 2)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("validate", help="validate a recipe and print it resolved")
     _recipe_args(p)

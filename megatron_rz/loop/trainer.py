@@ -105,14 +105,23 @@ def _agree(status: str, error: BaseException | None, what: str) -> str:
     return said
 
 
-def push_weights(learner, rollout, step: int, *, verify: bool) -> None:
+def _counted(buckets, tally: list[int]):
+    """The bucket stream, adding each bucket's bytes to tally[0] as it passes."""
+    for b in buckets:
+        tally[0] += sum(t.numel() * t.element_size() for t in b.values())
+        yield b
+
+
+def push_weights(learner, rollout, step: int, *, verify: bool) -> int:
     """Collective: the learner's weights (version learner.version) into the rollout, bucket by
     bucket through its weight transport. A local engine that dies meanwhile is restarted and the
-    push re-run (every rank walks the stream again); any other error stops every rank."""
+    push re-run (every rank walks the stream again); any other error stops every rank. Returns the
+    bytes this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0)."""
     from vllm_bridge.engine import RolloutEngineError
 
     while True:
-        buckets = learner.hf_weight_buckets()
+        tally = [0]
+        buckets = _counted(learner.hf_weight_buckets(), tally)
         status, error = "ok", None
         if rank() == 0:
             try:
@@ -129,7 +138,7 @@ def push_weights(learner, rollout, step: int, *, verify: bool) -> None:
         else:
             _drain(buckets)
         if _agree(status, error, f"the weight push of update {step + 1}") == "ok":
-            return
+            return tally[0]
 
 
 def fetch_batch(learner, rollout, k: int, step: int, max_lag: int):
@@ -292,7 +301,8 @@ def train(recipe: Recipe) -> dict:
             t2 = time.perf_counter()
 
             r = recipe.rollout
-            push_weights(learner, rollout, step, verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
+            sync_bytes = push_weights(learner, rollout, step,
+                                      verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
             t3 = time.perf_counter()
 
             times["rollout"] += t1 - t0
@@ -315,6 +325,7 @@ def train(recipe: Recipe) -> dict:
                     "time_rollout_wait": t1 - t0,
                     "time_learner": t2 - t1,
                     "time_sync": t3 - t2,
+                    "sync_bytes": sync_bytes,  # the weights pushed after this update (all of them)
                     "time_step": t3 - t0,
                     "samples_per_s": batch.input_ids.shape[0] / (t3 - t0),
                     "tokens_per_s": resp.sum().item() / (t3 - t0),
@@ -365,17 +376,22 @@ def train(recipe: Recipe) -> dict:
             shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)  # versions in flight to the rollout process
 
 
-def bench_async_vs_sync(recipe: Recipe, steps: int = 10, max_lag: int = 2) -> dict:
-    """Same recipe, ``steps`` updates at max_lag=0 and at max_lag=2, in one invocation; updates/s is
-    over the update loop (sum of per-update wall times: rollout wait + learner + sync; start-up and
-    evaluation excluded). Both runs share one base model (warm start made once). Prints and
-    returns the numbers and the ratio."""
+def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] = (2,)) -> dict:
+    """Same recipe, ``steps`` updates at max_lag=0 (sync) and at each of ``lags``, in one invocation;
+    updates/s is over the update loop (sum of per-update wall times: rollout wait + learner + sync;
+    start-up and evaluation excluded). Every run starts from one base model (warm start made once).
+    Also the weight sync per update: bytes pushed, seconds on the learner's critical path and their
+    ratio (sync: the in-process reload into the engine; async: the write for the rollout process,
+    which loads it off the critical path), and on CUDA the host <-> device copy bandwidth of the
+    machine (the link a one-GPU sync crosses). Prints and returns the numbers and the ratios."""
     root = recipe.run_dir / "bench_async"
     shared = prepare_base_model(recipe.model_copy(deep=True), root)
-    res = {}
-    for name, lag in (("sync", 0), ("async", max_lag)):
+    res: dict = {"steps": steps, "lags": list(lags)}
+    runs = [("sync", 0)] + [(f"async_lag{lag}", lag) for lag in lags]
+    for name, lag in runs:
         r = recipe.model_copy(deep=True)
         r.schedule.steps, r.schedule.max_lag, r.schedule.eval_every = steps, lag, 0
+        r.schedule.time_limit_s = 0.0  # every run does all its steps
         r.logging.run_dir = str(root / name)
         r.logging.wandb, r.logging.plots, r.logging.progress = False, False, False
         r.checkpoint.every, r.checkpoint.load = 0, None
@@ -387,17 +403,48 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, max_lag: int = 2) -> di
         rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
         tr = [x for x in rows if "max_abs_dlogp" in x]
         loop = sum(x["time_step"] for x in tr)
-        res[name] = {"updates": len(tr), "loop_s": loop, "updates_per_s": len(tr) / loop, "wall_s": wall,
-                     "time_rollout_mean": sum(x["time_rollout"] for x in tr) / len(tr),
-                     "time_learner_mean": sum(x["time_learner"] for x in tr) / len(tr),
-                     "time_sync_mean": sum(x["time_sync"] for x in tr) / len(tr),
-                     "lag_mean": sum(x.get("lag_mean", 0.0) for x in tr) / len(tr)}
-    res["async_over_sync"] = res["async"]["updates_per_s"] / res["sync"]["updates_per_s"]
+        mean = lambda key: sum(x.get(key, 0.0) for x in tr) / len(tr)  # noqa: E731
+        res[name] = {"max_lag": lag, "updates": len(tr), "loop_s": loop, "updates_per_s": len(tr) / loop,
+                     "wall_s": wall, "time_rollout_mean": mean("time_rollout"),
+                     "time_learner_mean": mean("time_learner"), "time_sync_mean": mean("time_sync"),
+                     "sync_bytes": mean("sync_bytes"),
+                     "sync_gb_per_s": mean("sync_bytes") / max(mean("time_sync"), 1e-9) / 1e9,
+                     "lag_mean": mean("lag_mean"), "frac_bitwise_mean": mean("frac_bitwise")}
+    for name, _ in runs[1:]:
+        res[f"{name}_over_sync"] = res[name]["updates_per_s"] / res["sync"]["updates_per_s"]
+    res["async_over_sync"] = res[f"{runs[1][0]}_over_sync"]
     res["cpu_count"] = os.cpu_count()
-    print(f"sync (max_lag=0): {res['sync']['updates_per_s']:.3f} updates/s; async (max_lag={max_lag}): "
-          f"{res['async']['updates_per_s']:.3f} updates/s; async/sync = {res['async_over_sync']:.2f}", flush=True)
-    print(json.dumps(res), flush=True)
+    res["link"] = _copy_bandwidth()
+    line = "; ".join(f"{n} {res[n]['updates_per_s']:.3f} updates/s" for n, _ in runs)
+    ratios = ", ".join(f"{n}/sync = {res[f'{n}_over_sync']:.2f}" for n, _ in runs[1:])
+    (root / "bench_async.json").write_text(json.dumps(res, indent=1))
+    print(f"{line}; {ratios}; weight sync {res['sync']['sync_bytes'] / 1e9:.3f} GB in "
+          f"{res['sync']['time_sync_mean']:.3f} s (sync) / {res[runs[1][0]]['time_sync_mean']:.3f} s (async)", flush=True)
     return res
+
+
+def _copy_bandwidth(gib: float = 1.0) -> dict | None:
+    """Host <-> device copy bandwidth (GB/s, pinned host memory, median of 5) on CUDA; None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    n = int(gib * 2**30)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, dst, src in (("device_to_host_gb_per_s", host, dev), ("host_to_device_gb_per_s", dev, host)):
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[name] = n / sorted(times[1:])[2] / 1e9
+    out["device"] = torch.cuda.get_device_name()
+    del dev, host
+    return out
 
 
 def export_hf_checkpoint(buckets, base: Path, out: Path) -> None:

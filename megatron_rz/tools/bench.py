@@ -62,11 +62,11 @@ def _cpu_kernels() -> str:
     return "compiled (kernels/_native.c)" if _native.available() else f"torch reference: {_native.status()}"
 
 
-def main_bench(recipe: Recipe, what: str, rounds: int) -> int:
+def main_bench(recipe: Recipe, what: str, rounds: int, lags: tuple[int, ...] = (2,)) -> int:
     if what == "async":
         from megatron_rz.loop.trainer import bench_async_vs_sync
 
-        print(json.dumps(bench_async_vs_sync(recipe, recipe.schedule.steps)))
+        print(json.dumps(bench_async_vs_sync(recipe, recipe.schedule.steps, lags)))
         return 0
     res = bench_rollout(recipe, rounds)
     print(

@@ -16,6 +16,10 @@
 #   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers)
 #   train  `rz train` on the GPU: aligned sync, aligned async (lag 2), fast sync; per-update D3 / bitwise
 #   d3     the D3 experiment on recipes/gpu_moe.yaml: GPU warm start, aligned and fast at lag 2
+#          (D3_MODES, D3_LAG, D3_S seconds, D3_EXTRA: more recipe overrides, e.g. algo.lr=1e-5, D3_TAG: run-dir suffix)
+#   warm   only the gpu_moe warm start of d3 (kept on the machine for the later calls)
+#   async  `rz bench async recipes/gpu_moe.yaml --lags ASYNC_LAGS` (default 2,8): updates/s async vs
+#          sync on one H200 (learner and engine share it), weight-sync bytes / seconds, copy bandwidth
 #   bench_dsv3  rollout time aligned vs stock on the DeepSeek-V3-shaped dsv3_4l (batch 256, 32, 1)
 #   bench_long  moe1b with 1024-token prompts (256 x 1024 x 128) and 1024 new tokens (32 x 64 x 1024)
 #   profile_small  per-kernel split of the batch-32 cell, aligned and stock
@@ -81,7 +85,7 @@ PYEOF
         tail -c 600 "$d/$1_lag$2.log" | tr '\r' '\n' | tail -4 >> "$d/summary.txt"
       done
       set -- ;;
-    d3)
+    warm|async|d3)
       # the D3 experiment (issue 17) on recipes/gpu_moe.yaml: one warm start on the GPU, then aligned
       # and fast at lag 2 from the same base model, each with D3_S seconds of updates
       # (schedule.time_limit_s: the run finishes at an update boundary with its summary and plots;
@@ -94,12 +98,24 @@ PYEOF
         tail -c 400 "$d/warm_start.log" | tr '\r' '\n' | tail -2 | tee -a "$d/summary.txt"
         cp "$base/warm_start.json" "$d/" 2>/dev/null
       fi
+      if [ "$st" = async ]; then
+        local rd=/root/runs/gpu_moe_bench_async
+        mkdir -p "$rd/bench_async" && cp -r "$base" "$rd/bench_async/"
+        timeout -k 30 ${ASYNC_TIMEOUT:-540} rz bench async recipes/gpu_moe.yaml --lags ${ASYNC_LAGS:-2,8} \
+          schedule.steps=${ASYNC_STEPS:-12} "logging.run_dir=$rd" logging.wandb=false ${ASYNC_EXTRA:-} \
+          > "$d/bench_async.log" 2>&1
+        echo "rc=$? bench async" | tee -a "$d/summary.txt"
+        grep -E "updates/s" "$d/bench_async.log" | tail -2 | tee -a "$d/summary.txt"
+        cp "$rd/bench_async/bench_async.json" "$d/" 2>/dev/null
+        for r in "$rd"/bench_async/*/metrics.jsonl; do cp "$r" "$d/$(basename "$(dirname "$r")").metrics.jsonl"; done
+      fi
+      [ "$st" = d3 ] || { log "stage $st done in $((SECONDS - t0)) s"; return 0; }
       for mode in ${D3_MODES-aligned fast}; do
-        local rd=/root/runs/gpu_moe_${mode}_lag${D3_LAG:-2}
+        local rd=/root/runs/gpu_moe_${mode}_lag${D3_LAG:-2}${D3_TAG:-}
         mkdir -p "$rd" && cp -r "$base" "$rd/"
         timeout -s TERM -k 30 $(( ${D3_S:-240} + 200 )) rz train recipes/gpu_moe.yaml mode=$mode "logging.run_dir=$rd" \
           schedule.max_lag=${D3_LAG:-2} schedule.steps=${D3_STEPS:-400} schedule.time_limit_s=${D3_S:-240} \
-          logging.wandb=false > "$d/$mode.log" 2>&1
+          logging.wandb=false ${D3_EXTRA:-} > "$d/$mode.log" 2>&1
         echo "rc=$? gpu_moe $mode lag ${D3_LAG:-2}" | tee -a "$d/summary.txt"
         for f in metrics.jsonl summary.json run.json; do cp "$rd/$f" "$d/$mode.$f" 2>/dev/null; done
         cp -r "$rd/plots" "$d/$mode.plots" 2>/dev/null

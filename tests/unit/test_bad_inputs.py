@@ -111,6 +111,8 @@ CASES = [
     (["check", TINY, "--prompts", "0"], ["--prompts", ">= 1"]),
     (["bench", "rollout", TINY, "--rounds", "x"], ["--rounds", "whole number"]),
     (["bench", "sideways", TINY], ["sideways"]),
+    (["bench", "async", TINY, "--lags", "2,x"], ["--lags", "comma-separated"]),
+    (["bench", "async", TINY, "--lags", "0"], ["--lags", ">= 1"]),
     (["frobnicate"], ["frobnicate"]),
     (["train"], ["required", "recipe"]),
     (["train", TINY, "--no-such-flag"], ["--no-such-flag"]),
