@@ -99,9 +99,10 @@ class ModelConfig(_Strict):
     # Blockwise FP8 (DeepSeek-V3 / vLLM block quantisation) inside the models, aligned mode: every
     # attention projection and dense / shared / routed expert linear runs as an e4m3 GEMM with
     # 128x128 weight scales and per-token 1x128 activation scales (kernels/fp8.py); router gate,
-    # lm_head, embeddings and norms stay in model.dtype. The learner fake-quantises its master
+    # lm_head, embeddings and norms stay in model.dtype (DeepSeek-V4 / V4.1: the linears of
+    # kernels.models.dsv4.FP8_LINEARS; needs o_lora_rank % 128 == 0). The learner fake-quantises its master
     # weights each forward (straight-through gradients); the engine quantises them once per weight
-    # sync. Needs parallel.tp=1 (checked when the aligned learner is built, see aligned_spec).
+    # sync. Learner parallel.tp > 1: qwen3_moe only, with the shape rules of fp8_tp_problems (docs/tp.md "FP8").
     fp8: Literal["none", "blockwise"] = "none"
 
     @model_validator(mode="after")
@@ -155,11 +156,12 @@ class ModelConfig(_Strict):
         if self.fp8 != "none" and self.arch == "qwen2":
             raise ValueError("model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the learner's FP8 fused "
                              "q/k/v linear has no bias yet); set model.fp8=none for qwen2")
-        if self.fp8 != "none" and self.arch in ("deepseek_v4", "deepseek_v41"):
+        if self.fp8 != "none" and self.arch in ("deepseek_v4", "deepseek_v41") and self.o_lora_rank % _FP8_BLOCK:
+            # kernels.models.dsv4.fp8_problems (engine TP > 1 rules: the planner's check_rollout_tp)
             raise ValueError(
-                "model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the aligned V4 path has no "
-                "FP8 linears yet); set model.fp8=none for deepseek_v4"
-            )
+                f"model.fp8=blockwise for {self.arch} needs model.o_lora_rank a multiple of {_FP8_BLOCK} (wo_a's "
+                f"output groups must start on {_FP8_BLOCK}-row weight blocks): got {self.o_lora_rank}; set "
+                f"model.o_lora_rank={-(-self.o_lora_rank // _FP8_BLOCK) * _FP8_BLOCK}, or model.fp8=none")
         if self.arch == "kimi_k3" and (self.fp8 != "none" or self.router_score == "sqrtsoftplus"):
             raise ValueError("model.arch=kimi_k3 routes with model.router_score sigmoid or softmax and has no FP8 "
                              "path yet (model.fp8=none)")

@@ -301,11 +301,10 @@ class RolloutEngine:
         self.fp8 = str(fp8 if fp8 is not None else _config(self.model_dir).get("rz_fp8", "none"))
         if self.fp8 not in ("none", "blockwise"):
             raise RolloutEngineError(f"fp8={self.fp8!r}: expected 'none' or 'blockwise'")
-        if self.fp8 != "none" and (not aligned or _is_deepseek_v4(self.model_dir)):
+        if self.fp8 != "none" and not aligned:
             raise RolloutEngineError(
-                "fp8=blockwise runs in the aligned Qwen3-MoE / DeepSeek-V3 model classes only (the "
-                "stock vLLM classes and the aligned V4 class have no matching FP8 linears): use "
-                "mode=aligned with arch qwen3_moe or deepseek_v3, or model.fp8=none"
+                "fp8=blockwise runs in the aligned Qwen3-MoE / DeepSeek-V3 / DeepSeek-V4 model classes only (the "
+                "stock vLLM classes have no matching FP8 linears): use mode=aligned, or model.fp8=none"
             )
         from vllm_bridge import vllm_compat
 

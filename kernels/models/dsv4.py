@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 import kernels
 
-from .qwen3_dsv3 import load_state_dict
+from .qwen3_dsv3 import FP8_CONFIG_KEY, FP8_SUFFIX, FP8WeightCache, load_state_dict
 from .trace import tap
 
 Getter = Callable[[str], torch.Tensor]
@@ -74,6 +75,9 @@ class V4Config:
     # Tensor parallelism (the aligned vLLM class at tensor_parallel_size > 1): this rank's shard and
     # its collectives; ``num_heads`` is then the rank's local head count. None: the whole model.
     tp: Optional["TPShard"] = None
+    # "blockwise": the FP8 linears (:data:`FP8_LINEARS`) run as blockwise FP8 GEMMs (kernels/fp8.py);
+    # config key ``rz_fp8`` (kernels.models.qwen3_dsv3.FP8_CONFIG_KEY), recipe ``model.fp8``.
+    fp8: str = "none"
 
     def payload_width(self, layer: int) -> int:
         """Floats cached per token in layer ``layer`` (key, then compressor and indexer rows)."""
@@ -101,12 +105,15 @@ class TPShard:
       same K block of ``wo_b``, which is row-parallel (``row_parallel``: the rank's 8 / size K
       segments' fp32 partials, all-gathered, added in segment order);
     * routed experts ``experts`` (expert parallel): other ranks' slots stay exact zeros and
-      ``reduce`` (an all-reduce) fills them; shared experts replicated."""
+      ``reduce`` (an all-reduce) fills them; shared experts replicated.
+
+    ``row_parallel(x, w, name)``: ``x [T, K/size]`` against the rank's ``w(name) [N, K/size]``; in
+    blockwise FP8 the rank's quantised shard ``w(name + FP8_SUFFIX)`` and its segments' FP8 chains."""
 
     size: int
     rank: int
     experts: range
-    row_parallel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, K/size], w [N, K/size])
+    row_parallel: Callable[[torch.Tensor, Callable, str], torch.Tensor]
     gather_heads: Callable[[torch.Tensor], torch.Tensor]  # [T, H/size, D] -> [T, H, D] (rank order)
     reduce: Callable[[torch.Tensor], torch.Tensor]  # sum over ranks (one non-zero term per element)
 
@@ -155,6 +162,9 @@ def v4_config(config: Any) -> V4Config:
     theta_main = float((rp.get("main") or {}).get("rope_theta") or _get(config, "rope_theta", default=10000.0))
     theta_comp = float((rp.get("compress") or {}).get("rope_theta") or _get(config, "compress_rope_theta",
                                                                               default=160000.0))
+    fp8 = str(_get(config, FP8_CONFIG_KEY, default="none"))
+    if fp8 not in ("none", "blockwise"):
+        raise ValueError(f"{FP8_CONFIG_KEY}={fp8!r}: expected 'none' or 'blockwise'")
     score = _get(config, "scoring_func", default="sqrtsoftplus")
     if score != "sqrtsoftplus":
         raise NotImplementedError(f"aligned DeepSeek-V4: scoring_func {score!r} (only sqrtsoftplus)")
@@ -188,6 +198,7 @@ def v4_config(config: Any) -> V4Config:
         inv_freq_main=_inv_freq(config, "main", int(rope_dim), theta_main),
         inv_freq_compress=_inv_freq(config, "compress", int(rope_dim), theta_comp),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        fp8=fp8,
     )
 
 
@@ -303,6 +314,96 @@ def add_parameter_tree(root, shapes: dict, make, prefix: str = "", skip: tuple[s
 # --------------------------------------------------------------------------------------------------
 
 
+# Blockwise FP8 (``c.fp8 == "blockwise"``; docs/tp.md "FP8"): the big projections, by name relative to
+# ``layers.{i}.``. Everything else stays in the model dtype: the compressors' ``wkv`` / ``wgate`` and
+# the indexer's ``weights_proj`` (their rows are pooled / gated / summed into selection scores, like
+# the router), V4.1's ``indexer.wk`` and engram, the router gate, hyper-connections, norms,
+# embedding and head.
+FP8_LINEARS = re.compile(r"^(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])"
+                         r"\.weight$")
+
+
+def fp8_problems(c: V4Config, tp: int = 1) -> list[tuple[str, str]]:
+    """(recipe key, what fails) that keep blockwise FP8 from running this V4 model bitwise on an
+    aligned engine of ``tp`` ranks (``tp=1``: the learner and a one-rank engine). [] when it can.
+
+    * ``wo_a`` (any tp): one ``[G*R, H*D/G]`` tensor of 128x128 blocks whose group ``g`` uses rows
+      ``g*R ..``; a group's GEMM is the block-FP8 GEMM of its row slice only when the slice starts
+      and ends on 128-row blocks, i.e. ``o_lora_rank % 128 == 0``. (Its K, the group width, needs
+      nothing: K blocks never split there.)
+    * tp > 1: ``wo_b`` is row-parallel: its K = ``o_groups * o_lora_rank`` must be a multiple of
+      8 x 128 (8 segment chains of whole blocks; then every rank's ``wo_a`` rows, ``G*R/tp``, are
+      whole blocks too); ``wq_b`` is column-parallel: its rows per rank, ``H/tp * D``, must be whole
+      128-row blocks. Routed experts are split whole and everything else replicated, so their K and
+      N need nothing (shapes that are not multiples of 128 get partial edge blocks, as the format's
+      ``ceil`` block grid has)."""
+    from kernels.fp8 import BLOCK as B
+
+    out = []
+    if c.o_lora_rank % B:
+        out.append(("model.o_lora_rank", f"o_lora_rank={c.o_lora_rank} is not a multiple of {B} (wo_a's output "
+                    f"groups must start on {B}-row weight blocks)"))
+    if tp > 1:
+        S = kernels.ROW_PARALLEL_K_SEGMENTS
+        K = c.o_groups * c.o_lora_rank
+        if K % (S * B):
+            out.append(("model.o_lora_rank", f"o_groups * o_lora_rank={K} (the row-parallel FP8 K of wo_b) is not "
+                        f"a multiple of {S} x {B} = {S * B}"))
+        rows = c.num_heads * c.head_dim
+        if rows % tp or (rows // tp) % B:
+            out.append(("model.num_attention_heads", f"num_attention_heads * head_dim={rows} gives {rows // tp} wq_b "
+                        f"rows per rank, not a multiple of the {B}-row weight block"))
+    return out
+
+
+def quantizing_getter(w: Getter) -> Getter:
+    """``w`` extended with ``name + FP8_SUFFIX`` -> ``(wq, ws)`` of ``w(name)`` quantised now (the
+    learner: its master weights change every step; the engine and the reference cache instead,
+    :class:`~kernels.models.qwen3_dsv3.FP8WeightCache`). Same bits either way."""
+
+    def get(name: str):
+        if name.endswith(FP8_SUFFIX):
+            with torch.no_grad():
+                return kernels.quantize_weight_blockwise(w(name[: -len(FP8_SUFFIX)]).detach())
+        return w(name)
+
+    return get
+
+
+def project(c: V4Config, w: Getter, x: torch.Tensor, name: str, *, k_segments: int = 1,
+            rows: Optional[tuple[int, int]] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x @ w(name)[a:b].T`` (``rows=(a, b)``; all rows by default), rounded to ``out_dtype`` or
+    ``x.dtype``. ``c.fp8 == "blockwise"`` and ``name`` one of :data:`FP8_LINEARS`:
+    ``kernels.fp8_linear`` with the quantised weight ``w(name + FP8_SUFFIX)`` (its 128-row-block
+    slice for ``rows``; the master weight passed for the straight-through gradient); a row-parallel
+    caller (``k_segments > 1``) gets ``kernels.fp8.row_parallel_k_segments(K)`` chains (8 when
+    K % 1024 == 0, else the single chain). Otherwise ``kernels.linear(..., k_segments)``."""
+    weight = w(name)
+    if rows is not None:
+        weight = weight[rows[0] : rows[1]]
+    odt = out_dtype or x.dtype
+    if c.fp8 != "blockwise" or not FP8_LINEARS.match(name):
+        return kernels.linear(x, weight, out_dtype=out_dtype, k_segments=k_segments)
+    from kernels.fp8 import BLOCK as B, row_parallel_k_segments
+
+    wq, ws = w(name + FP8_SUFFIX)
+    if rows is not None:
+        a, b = rows
+        if a % B or (b % B and b != wq.shape[0]):
+            raise ValueError(f"{name}: FP8 rows {a}:{b} do not start and end on {B}-row weight blocks")
+        wq, ws = wq[a:b], ws[a // B : -(-b // B)]
+    segs = 1 if k_segments == 1 else row_parallel_k_segments(x.shape[-1])
+    return kernels.fp8_linear(x, wq, ws, out_dtype=odt, weight=weight, k_segments=segs)
+
+
+def fp8_getter(c: V4Config, w: Getter, cache: Optional[FP8WeightCache], prefix: str) -> Getter:
+    """The getter the per-layer functions see: ``w`` itself unquantised; in FP8 ``w`` with
+    ``name + FP8_SUFFIX`` from ``cache`` (keyed ``prefix + name``), or quantised per call without one."""
+    if c.fp8 != "blockwise":
+        return w
+    return quantizing_getter(w) if cache is None else cache.getter(w, prefix)
+
+
 def lookup(module: "torch.nn.Module", name: str) -> torch.Tensor:
     """The parameter or buffer at dotted ``name`` under ``module``."""
     mod, _, leaf = name.rpartition(".")
@@ -334,10 +435,10 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
     H, D = c.num_heads, c.head_dim
     kind = c.layer_kinds[layer]
     cos, sin = rope_tables(c, layer, positions)
-    q_res = kernels.rms_norm(kernels.linear(x, w("attn.wq_a.weight")), w("attn.q_norm.weight"), c.rms_norm_eps)
-    q = kernels.linear(q_res, w("attn.wq_b.weight")).view(T, H, D)
+    q_res = kernels.rms_norm(project(c, w, x, "attn.wq_a.weight"), w("attn.q_norm.weight"), c.rms_norm_eps)
+    q = project(c, w, q_res, "attn.wq_b.weight").view(T, H, D)
     q = _rope_tail(kernels.rms_norm(q, None, c.rms_norm_eps), cos, sin)
-    kv = kernels.rms_norm(kernels.linear(x, w("attn.wkv.weight")), w("attn.kv_norm.weight"), c.rms_norm_eps)
+    kv = kernels.rms_norm(project(c, w, x, "attn.wkv.weight"), w("attn.kv_norm.weight"), c.rms_norm_eps)
     kv = _rope_tail(kv.view(T, 1, D), cos, sin).view(T, D)
     parts = [kv]
     out: dict = {"q": q}
@@ -347,7 +448,7 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
         Hi, Di = c.index_n_heads, c.index_head_dim
         parts += [kernels.linear(x, w("attn.indexer.compressor.wkv.weight")),
                   kernels.linear(x, w("attn.indexer.compressor.wgate.weight"))]
-        iq = kernels.linear(q_res, w("attn.indexer.wq_b.weight")).view(T, Hi, Di)
+        iq = project(c, w, q_res, "attn.indexer.wq_b.weight").view(T, Hi, Di)
         out["idx_q"] = _rope_tail(iq, cos, sin)
         out["idx_w"] = kernels.linear(x, w("attn.indexer.weights_proj.weight"), out_dtype=torch.float32) * (Hi ** -0.5)
     out["payload"] = torch.cat([p.to(x.dtype) for p in parts], dim=-1)
@@ -403,8 +504,9 @@ def attn_output(c: V4Config, w: Getter, layer: int, o: torch.Tensor, positions: 
     if c.tp is not None:
         return _attn_output_tp(c, w, o, wo_a)
     grouped = o.reshape(T, G, -1)
-    mid = torch.cat([kernels.linear(grouped[:, g], wo_a[g * R : (g + 1) * R]) for g in range(G)], dim=-1)
-    return kernels.linear(mid, w("attn.wo_b.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+    mid = torch.cat([project(c, w, grouped[:, g], "attn.wo_a.weight", rows=(g * R, (g + 1) * R)) for g in range(G)],
+                    dim=-1)
+    return project(c, w, mid, "attn.wo_b.weight", k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
 
 
 def _attn_output_tp(c: V4Config, w: Getter, o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
@@ -426,15 +528,17 @@ def _attn_output_tp(c: V4Config, w: Getter, o: torch.Tensor, wo_a: torch.Tensor)
     for g in range(lo // R, (lo + n - 1) // R + 1):
         a, b = max(lo, g * R), min(lo + n, (g + 1) * R)
         x = src[:, g * hpg - head0 : (g + 1) * hpg - head0].reshape(T, -1)
-        parts.append(kernels.linear(x, wo_a[a - lo : b - lo]))
+        parts.append(project(c, w, x, "attn.wo_a.weight", rows=(a - lo, b - lo)))
     mid = torch.cat(parts, dim=-1)
-    return tp.row_parallel(mid, w("attn.wo_b.weight"))
+    return tp.row_parallel(mid, w, "attn.wo_b.weight")
 
 
 def expert(c: V4Config, w: Getter, x: torch.Tensor, prefix: str) -> torch.Tensor:
     """SwiGLU expert with V4's clamp: ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``."""
-    h = kernels.swiglu_clamped(kernels.linear(x, w(prefix + "w1.weight")), kernels.linear(x, w(prefix + "w3.weight")),
+    h = kernels.swiglu_clamped(project(c, w, x, prefix + "w1.weight"), project(c, w, x, prefix + "w3.weight"),
                                c.swiglu_limit)
+    if c.fp8 == "blockwise":  # experts split whole, shared expert replicated: never K-split, single chain (V3's rule)
+        return project(c, w, h, prefix + "w2.weight")
     return kernels.linear(h, w(prefix + "w2.weight"), k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
 
 
@@ -545,9 +649,10 @@ def reference_logits(sd_or_dir, config, input_ids: torch.Tensor) -> torch.Tensor
     ids = input_ids.reshape(-1)
     pos = torch.arange(S).repeat(B)
     streams = embed(c, sd["embed.weight"], ids)
+    cache = FP8WeightCache()  # FP8: each weight quantised once per call (the engine: once per load)
     for i in range(c.num_layers):
         pre = f"layers.{i}."
-        w = lambda n, pre=pre: sd[pre + n]
+        w = fp8_getter(c, lambda n, pre=pre: sd[pre + n], cache, pre)
 
         def attend(state, i=i, w=w):
             outs = []

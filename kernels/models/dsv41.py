@@ -449,8 +449,8 @@ def token_state(c: V41Config, w: Getter, layer: int, x: torch.Tensor, positions:
     if layer in c.index_source_layer_ids:
         Hi, Di = c.index_n_heads, c.index_head_dim
         T = x.shape[0]
-        q_res = kernels.rms_norm(kernels.linear(x, w("attn.wq_a.weight")), w("attn.q_norm.weight"), c.rms_norm_eps)
-        iq = kernels.linear(q_res, w("attn.indexer.wq_b.weight")).view(T, Hi, Di)
+        q_res = kernels.rms_norm(V4.project(c, w, x, "attn.wq_a.weight"), w("attn.q_norm.weight"), c.rms_norm_eps)
+        iq = V4.project(c, w, q_res, "attn.indexer.wq_b.weight").view(T, Hi, Di)
         cos, sin = V4.rope_tables(c, layer, positions)
         out["idx_q"] = V4.rope_tail(iq, cos, sin)
         out["idx_w"] = kernels.linear(x, w("attn.indexer.weights_proj.weight"), out_dtype=torch.float32) * (Hi ** -0.5)
@@ -638,9 +638,10 @@ def forward_logits(c: V41Config, g: Getter, input_ids: torch.Tensor, token_map: 
     pre = None
     histories: list[dict] = [{} for _ in range(B)]  # per sequence: layer -> payload rows
     keeps: list = [None] * B  # per sequence: the latest index source's selection
+    cache = V4.FP8WeightCache()  # FP8 (V4's linears, kernels.models.dsv4.FP8_LINEARS): quantised once per call
     for i in range(c.num_layers):
         pre_ = f"layers.{i}."
-        w = lambda n, pre_=pre_: g(pre_ + n)
+        w = V4.fp8_getter(c, lambda n, pre_=pre_: g(pre_ + n), cache, pre_)
 
         def attend(state, i=i):
             outs = []

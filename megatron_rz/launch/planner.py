@@ -287,6 +287,8 @@ def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int, layers: ran
         return 0.0
     h = m.hidden_size
     layers = range(m.num_layers) if layers is None else layers
+    if m.arch in ("deepseek_v4", "deepseek_v41"):
+        return _v4_fp8_params(m, shard, split, layers)
     moe = [i for i in layers if m.num_experts and i >= m.first_k_dense]
     rep = len(moe) * m.num_shared_experts * 3 * h * m.moe_ffn_hidden_size
     if m.arch == "deepseek_v3":
@@ -294,6 +296,24 @@ def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int, layers: ran
         rep += lat * len(layers)
     tp_split = split if split else rollout_sharded_params(m)
     return tp_split / max(1, shard) + rep
+
+
+def _v4_fp8_params(m: ModelConfig, shard: int, split: int, layers: range) -> float:
+    """DeepSeek-V4 / V4.1 (kernels.models.dsv4.FP8_LINEARS): split over ``shard`` ranks when the engine
+    is sharded (``split`` > 0): wq_b, wo_a, wo_b and the routed experts; replicated: wq_a, wkv, the
+    indexer's wq_b (V4: compressed sparse layers; V4.1: its index sources, the first layer of each run
+    of one compress ratio) and the shared experts."""
+    h, n, d, ql = m.hidden_size, m.num_attention_heads, m.head_dim, m.q_lora_rank or 0
+    exp = 3 * h * m.moe_ffn_hidden_size
+    split_p = rep = 0
+    for i in layers:
+        split_p += ql * n * d + n * d * m.o_lora_rank + m.o_groups * m.o_lora_rank * h + m.num_experts * exp
+        rep += h * ql + h * d + m.num_shared_experts * exp
+        r = m.compress_ratios[i] if i < len(m.compress_ratios) else 0
+        index = r == 4 if m.arch == "deepseek_v4" else (r != 0 and (i == 0 or m.compress_ratios[i - 1] != r))
+        if index:
+            rep += ql * m.index_n_heads * m.index_head_dim
+    return (split_p / max(1, shard) if split else split_p) + rep
 
 
 def _has_dense_layers(m: ModelConfig) -> bool:
@@ -319,6 +339,15 @@ def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
         if k % seg:
             out.append(("model.o_lora_rank", f"model.o_groups * model.o_lora_rank={k} (the row-parallel K of "
                         f"wo_b) is not divisible by the {seg} row-parallel K segments"))
+        if m.fp8 != "none":  # kernels.models.dsv4.fp8_problems: wo_b row-parallel FP8, wq_b column shards
+            B = 128
+            if k % (seg * B):
+                out.append(("model.o_lora_rank", f"model.o_groups * model.o_lora_rank={k} (the row-parallel FP8 K "
+                            f"of wo_b) is not a multiple of {seg} x {B} = {seg * B}"))
+            rows = m.num_attention_heads * m.head_dim
+            if (rows // tp) % B:
+                out.append(("model.num_attention_heads", f"model.num_attention_heads * model.head_dim={rows} gives "
+                            f"{rows // tp} FP8 wq_b rows per rank, not a multiple of the {B}-row weight block"))
         return out
     counts = {"model.num_attention_heads": m.num_attention_heads}
     if m.arch != "deepseek_v3":  # MLA expands K/V per query head: only the query heads are split

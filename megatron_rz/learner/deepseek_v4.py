@@ -23,9 +23,17 @@ deepseek_v41``): the same modules over :mod:`kernels.models.dsv41`'s names and l
 hyper-connection pre-mix carried from layer to layer, engram on ``engram_layer_ids``, no hc head).
 The engram n-gram hashes are integers computed once per sequence from its token ids; the engram
 table, ``wkv``, ``q_weight`` and ``k_weight`` are trained like any weight.
+
+Blockwise FP8 (recipe ``model.fp8=blockwise``): the same switch as the engine's, in the shared numerics
+(``kernels.models.dsv4.project`` on :data:`~kernels.models.dsv4.FP8_LINEARS`): every forward quantises
+the master weights (``quantizing_getter``) and activations and runs ``kernels.fp8_linear``; its backward
+is the straight-through estimate (the linear with the dequantised weight; the master weight gets
+``g^T x``), as the Qwen3 / V3 FP8 layers of aligned_spec. Learner tp stays 1.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -129,7 +137,7 @@ class DeepseekV4MoE(nn.Module):
         from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq
 
         c = self.c
-        w = lambda n: R.lookup(self, n.removeprefix("ffn."))
+        w = R.fp8_getter(c, lambda n: R.lookup(self, n.removeprefix("ffn.")), None, "")  # FP8: quantised per call
         if self.ep == 1:
             return R.moe_forward(c, w, self.index, x, input_ids)
         ids, wts = R.route(c, w, self.index, x, input_ids)
@@ -173,12 +181,14 @@ class DeepseekV4Layer(nn.Module):
                 outs.append(o)
             return torch.cat(outs, dim=0)
 
-        # names relative to the layer ("attn.wq_a.weight" lives in the attention submodule)
+        # names relative to the layer ("attn.wq_a.weight" lives in the attention submodule); blockwise
+        # FP8: the FP8 linears quantise the master weights at every call (straight-through gradients)
+        w = R.fp8_getter(self.c, lambda n: R.lookup(self, n), None, "")
         if isinstance(self.c, R41.V41Config):
-            return R41.layer_forward(self.c, lambda n: R.lookup(self, n), self.index, streams, pre_mix, input_ids,
+            return R41.layer_forward(self.c, w, self.index, streams, pre_mix, input_ids,
                                      positions, attend, R41.engram_rows(self.c, hashes, self.index),
                                      moe=lambda x: self.ffn(x, input_ids))
-        return R.layer_forward(self.c, lambda n: R.lookup(self, n), self.index, streams, input_ids, positions, attend,
+        return R.layer_forward(self.c, w, self.index, streams, input_ids, positions, attend,
                                moe=lambda x: self.ffn(x, input_ids))
 
 
@@ -213,6 +223,11 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir):
 
     v41 = is_v41(hf_dir)
     c = R41.v41_config(str(hf_dir)) if v41 else R.v4_config(str(hf_dir))
+    # blockwise FP8 from the recipe (the base model's config.json does not carry it)
+    c = dataclasses.replace(c, fp8=getattr(model_cfg, "fp8", "none"))
+    for key, why in R.fp8_problems(c) if c.fp8 != "none" else ():
+        raise ValueError(f"deepseek_v4 learner: model.fp8={c.fp8}: {why} (docs/tp.md \"FP8\"); change {key}, "
+                         "or model.fp8=none")
     token_map = R41.token_map_of(str(hf_dir), c) if v41 and c.engram_layer_ids else None
     check_supported(parallel, c.num_experts)
     config = transformer_config(model_cfg, parallel)

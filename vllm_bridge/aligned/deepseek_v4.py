@@ -34,6 +34,13 @@ stock vLLM's V4 splits, every logprob bitwise the TP=1 one (:class:`kernels.mode
   the router (gate, bias, hash table), the shared expert, hyper-connections, norms, embedding and
   head replicated.
 ``_tp_config`` refuses sizes that cannot split (one line naming the key).
+
+Blockwise FP8 (config key ``rz_fp8``, recipe ``model.fp8=blockwise``; docs/tp.md "FP8"): the linears
+of :data:`kernels.models.dsv4.FP8_LINEARS` (``wq_a``, ``wq_b``, ``wkv``, ``wo_a`` per group, ``wo_b``,
+``indexer.wq_b``, routed and shared expert ``w1`` / ``w2`` / ``w3``) run ``kernels.fp8_linear`` with
+this rank's shard quantised once per load (``rz_fp8``, cleared by ``load_weights``); ``wo_b`` at TP > 1
+computes the FP8 chains of the rank's K segments (``_row_parallel``). Shapes that cannot run bitwise
+(:func:`kernels.models.dsv4.fp8_problems`) are refused in one line at start-up.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import dataclasses
 import re
 
 from kernels.models import dsv4 as R
+from kernels.models.qwen3_dsv3 import FP8_SUFFIX, FP8WeightCache
 from ._model import LogitsScale, RZAlignedForCausalLM, tp_all_reduce, tp_info
 from .attention_backend import RZAlignedAttentionBackend
 
@@ -85,10 +93,15 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.cache_config = vllm_config.cache_config
         # State of the shared RZAlignedForCausalLM.load_weights: rz_shards (full name -> (dim, start,
-        # length) of this rank's block), no FP8 weight cache, no packed GPU weights.
-        self.rz_shards, self.rz_fp8, self.rz_fast = {}, None, False
+        # length) of this rank's block), the FP8 weight cache (blockwise FP8: the e4m3 copies + 128x128
+        # scales of this rank's FP8 linears, kernels.models.dsv4.FP8_LINEARS, quantised once per load /
+        # in-place update, off the module tree; the parameters stay the high-precision weights), no
+        # packed GPU weights.
+        self.rz_shards, self.rz_fast = {}, False
+        self.rz_fp8 = FP8WeightCache() if c.fp8 == "blockwise" else None
         self.rz_tp, self.rz_rank = tp_info()
         self.rz_sharded = self.TP_SHARDED and self.rz_tp > 1
+        self._fp8_check(c)
         # rz_c: what the per-layer functions see (local head count and the TPShard when sharded)
         self.rz_c = self._tp_config(c) if self.rz_sharded else c
         Hn, D = self.rz_c.num_heads, c.head_dim
@@ -123,6 +136,17 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         self.logits_processor = LogitsScale(c.vocab_size)
 
     # ---- tensor parallelism ----------------------------------------------------------------------
+    def _fp8_check(self, c) -> None:
+        """Blockwise FP8: refuse shapes that cannot run bitwise at this TP size in one line naming the
+        recipe key (:func:`kernels.models.dsv4.fp8_problems`; planner check_rollout_tp: the same rules)."""
+        if c.fp8 != "blockwise":
+            return
+        tp = self.rz_tp if self.TP_SHARDED else 1
+        for what, why in R.fp8_problems(c, tp):
+            raise ValueError(f"{type(self).__name__}: rz_fp8=blockwise at tensor_parallel_size={self.rz_tp}: {why} "
+                             f"(docs/tp.md \"FP8\"); change {what}"
+                             + (", run tensor_parallel_size=1" if tp > 1 else "") + ", or use rz_fp8=none")
+
     def _tp_config(self, c):
         """Check that this model splits over tp ranks bitwise; the rank's config (local heads, TPShard)."""
         tp, r = self.rz_tp, self.rz_rank
@@ -148,15 +172,24 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
                           gather_heads=lambda o: get_tp_group().all_gather(o, dim=1), reduce=tp_all_reduce)
         return dataclasses.replace(c, num_heads=c.num_heads // tp, tp=shard)
 
-    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [T, K/tp], weight [N, K/tp]: this rank's K block; bitwise
-        ``kernels.linear(x_full, W_full, k_segments=ROW_PARALLEL_K_SEGMENTS)`` (docs/tp.md)."""
+    def _row_parallel(self, x: torch.Tensor, w, name: str) -> torch.Tensor:
+        """x [T, K/tp], w(name) [N, K/tp]: this rank's K block; bitwise
+        ``kernels.linear(x_full, W_full, k_segments=ROW_PARALLEL_K_SEGMENTS)`` (docs/tp.md); blockwise
+        FP8: the rank's quantised shard ``w(name + FP8_SUFFIX)`` and its segments' FP8 chains, bitwise
+        ``kernels.fp8_linear(x_full, *quantised W_full, k_segments=8)`` (what the learner runs)."""
         from vllm.distributed import get_tp_group
 
         local = kernels.ROW_PARALLEL_K_SEGMENTS // self.rz_tp
-        step = x.shape[-1] // local
-        mine = torch.stack([kernels.linear_partial(x[..., j * step:(j + 1) * step], weight[:, j * step:(j + 1) * step])
-                            for j in range(local)], dim=0)
+        if self.rz_fp8 is not None:
+            from kernels.dispatch import fp8_row_partials
+
+            wq, ws = w(name + FP8_SUFFIX)
+            mine = fp8_row_partials(x, wq, ws, local)
+        else:
+            weight = w(name)
+            step = x.shape[-1] // local
+            mine = torch.stack([kernels.linear_partial(x[..., j * step:(j + 1) * step],
+                                                       weight[:, j * step:(j + 1) * step]) for j in range(local)], dim=0)
         allp = get_tp_group().all_gather(mine.contiguous(), dim=0)  # rank order = segment order
         return kernels.finish_linear(kernels.sum_partials(list(allp.unbind(0))), None, x.dtype)
 
@@ -209,7 +242,8 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         streams = R.embed(c, self.embed.weight, input_ids)
         for i in range(c.num_layers):
             layer = self.get_submodule(f"layers.{i}")
-            streams = R.layer_forward(c, layer.get_parameter, i, streams, input_ids, positions,
+            w = R.fp8_getter(c, layer.get_parameter, self.rz_fp8, f"layers.{i}.")
+            streams = R.layer_forward(c, w, i, streams, input_ids, positions,
                                       lambda st, i=i, layer=layer: self._attend(i, layer, st, positions))
         return R.final_hidden(c, self.get_parameter, streams)
 

@@ -106,7 +106,8 @@ class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
             for i in range(c.num_layers):
                 layer = self.get_submodule(f"layers.{i}")
                 streams, pre = R.layer_forward(
-                    c, layer.get_parameter, i, streams, pre, input_ids, positions,
+                    c, V4.fp8_getter(c, layer.get_parameter, self.rz_fp8, f"layers.{i}."), i, streams, pre,
+                    input_ids, positions,
                     lambda st, i=i, layer=layer: self._attend(i, layer, st, positions),
                     R.engram_rows(c, self._hashes, i))
             return R.final_hidden(c, self.get_parameter, streams, pre)
