@@ -18,6 +18,8 @@ Every float tensor redrawn at random. Claims, ``torch.equal`` where they say equ
 * engines at TP=1 and TP=2 (one each, module-scoped): generated-token logprobs (T=1) and prompt
   logprobs (T=0.7) == the FP8 reference, before and after an in-place weight update (verify=True);
   TP=4 (a group's rows on two ranks: its heads all-gathered) with ``RZ_TEST_DSV4_FP8_TP4=1``;
+* DeepSeek-V4.1 (test_aligned_vllm_dsv41's tiny V4.1, head_dim 64, o_lora_rank 512): learner == its
+  FP8 reference; an FP8 engine at TP=2 == it with ``RZ_TEST_DSV41_FP8=1``;
 * shapes that cannot run bitwise are refused in one line naming the recipe key (no engine).
 
 Run: .venv/bin/python -m pytest tests/integration/test_dsv4_fp8.py -x -q -s
@@ -289,6 +291,92 @@ def test_engine_equals_fp8_reference_bitwise(runs, tp):
     REPORT[f"engine TP={tp} == fp8 reference"] = dict(counts, start_s=round(r["start_s"], 1),
                                                       total_s=round(r["total_s"], 1))
     print(f"\nTP={tp}: {counts} bitwise the FP8 reference")
+
+
+# ------------------------------------------------------------------ DeepSeek-V4.1 (the same linears)
+
+V41 = dict(compress_ratios=[0, 2, 2, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3],
+           head_dim=64, o_lora_rank=512)  # test_aligned_vllm_dsv41's tiny V4.1, widened for FP8 at TP=2
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    from kernels.models import dsv41
+    from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
+
+    d = tmp_path_factory.mktemp("dsv41_fp8_ckpt")
+    make_tiny_dsv41_checkpoint(d, seed=0, **V41)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v41"), indent=2))
+    c = dsv41.v41_config(d)
+    import dataclasses
+
+    return {"dir": d, "c8": dataclasses.replace(c, fp8="blockwise"), "c": c, "sd": R.load_state_dict(str(d)),
+            "tm": dsv41.token_map_of(d, c)}
+
+
+def test_dsv41_learner_equals_fp8_reference(v41):
+    from kernels.models import dsv41
+    from megatron_rz.learner.learner import Learner
+    from megatron_rz.recipe import load_recipe
+
+    r = load_recipe(str(ROOT / "recipes" / "tiny_dsv41.yaml"),
+                    ["model.fp8=blockwise", "model.head_dim=64", "model.o_lora_rank=512"])
+    learner = Learner(r.model, r.parallel, r.algo, hf_dir=str(v41["dir"]), train=False, mode="aligned")
+    ids, lens = _batch()
+    m = _mask(ids, lens)
+    ref8 = dsv41.reference_logprobs(v41["sd"], v41["c8"], ids, 1.0, token_map=v41["tm"])
+    ref32 = dsv41.reference_logprobs(v41["sd"], v41["c"], ids, 1.0, token_map=v41["tm"])
+    assert float((ref8[m] == ref32[m]).float().mean()) < 0.05
+    for mb in (1, 3):
+        assert torch.equal(learner.logprobs(ids, micro_batch_size=mb)[m], ref8[m]), mb
+    REPORT["V4.1 learner == fp8 reference"] = f"{2 * int(m.sum())}/{2 * int(m.sum())} token logprobs"
+
+
+@pytest.mark.skipif(os.environ.get("RZ_TEST_DSV41_FP8") != "1", reason="opt in: RZ_TEST_DSV41_FP8=1 (~1 min)")
+def test_dsv41_fp8_engine_tp2_equals_reference(v41):
+    """RZAlignedDeepseekV41ForCausalLM in FP8 at TP=2 (started with vllm.LLM as test_aligned_vllm_dsv41
+    does): generated and prompt logprobs == the V4.1 FP8 reference."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kernels.models import dsv41
+    from vllm_bridge.engine import _env
+
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {"VLLM_MLA_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "RZ_ALIGNED_SAMPLER": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1 % len(cpus)]}"}
+    with _env(env):
+        llm = LLM(model=str(v41["dir"]), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
+                  max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=64 << 20, seed=0, tensor_parallel_size=2,
+                  worker_extension_cls="vllm_bridge.worker_ext.WeightSyncExtension",
+                  hf_overrides={"architectures": ["RZAlignedDeepseekV41ForCausalLM"], "rz_fp8": "blockwise"})
+    try:
+        sp = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, n=N_SAMPLES, logprobs=0, ignore_eos=True, seed=SEED)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+        n_gen = n_pl = 0
+        for p, o in zip(PROMPTS, outs):
+            for smp in o.outputs:
+                ids = list(smp.token_ids)
+                seq = p + ids
+                want = dsv41.reference_logprobs(v41["sd"], v41["c8"], torch.tensor([seq]), 1.0, token_map=v41["tm"])[0]
+                got = torch.tensor([lp[t].logprob for lp, t in zip(smp.logprobs, ids)])
+                assert torch.equal(got, want[len(p):]), p
+                pl = llm.generate([TokensPrompt(prompt_token_ids=seq)],
+                                  SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0),
+                                  use_tqdm=False)[0].prompt_logprobs
+                assert torch.equal(torch.tensor([pl[j][seq[j]].logprob for j in range(1, len(seq))]), want[1:])
+                n_gen, n_pl = n_gen + len(ids), n_pl + len(seq) - 1
+        REPORT["V4.1 engine TP=2 == fp8 reference"] = f"{n_gen}/{n_gen} generated, {n_pl}/{n_pl} prompt logprobs"
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del llm
+        gc.collect()
 
 
 # ------------------------------------------------------------------ refusals
