@@ -37,7 +37,9 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                counts as 1)
     fp8_weights  model.fp8=blockwise (aligned): the FP8 linears' e4m3 copies next to the model-dtype
                parameters, (1 + 4 / 128^2) bytes per element (scale per 128x128 block), the TP-split
-               ones / engine_tp, shared experts and MLA's latent projections whole
+               ones / engine_tp, shared experts and MLA's latent projections whole (V4 / V4.1:
+               kernels.models.dsv4.FP8_LINEARS; wq_b / wo_a / wo_b / routed experts split, wq_a / wkv /
+               indexer wq_b / shared experts whole)
     KV cache   rollout.kv_cache_gb (vLLM kv_cache_memory_bytes, per GPU); it must hold one
                sequence of seq_len tokens, per token and GPU:
                  GQA   2 * ceil(kv_heads / engine_tp) * head_dim * b * layers (engine_tp 1 if replicated)
