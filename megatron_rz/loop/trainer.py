@@ -384,8 +384,11 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     ratio (sync: the in-process reload into the engine; async: the write for the rollout process,
     which loads it off the critical path), and on CUDA the host <-> device copy bandwidth of the
     machine (the link a one-GPU sync crosses). Prints and returns the numbers and the ratios."""
+    import multiprocessing as mp
+
     root = recipe.run_dir / "bench_async"
     shared = prepare_base_model(recipe.model_copy(deep=True), root)
+    _release_device_memory()  # a warm start on the GPU leaves the allocator's cache in this process
     res: dict = {"steps": steps, "lags": list(lags)}
     runs = [("sync", 0)] + [(f"async_lag{lag}", lag) for lag in lags]
     for name, lag in runs:
@@ -397,9 +400,16 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
         r.checkpoint.every, r.checkpoint.load = 0, None
         if not (r.run_dir / "base_model" / "config.json").exists():
             shutil.copytree(shared, r.run_dir / "base_model", dirs_exist_ok=True)
+        # Each leg in a fresh process: the learner and allocator of one leg would otherwise still hold
+        # device memory when the next leg's vLLM engine checks the free memory at its start.
         t0 = time.perf_counter()
-        train(r)
+        leg = mp.get_context("spawn").Process(target=_bench_leg, args=(r.model_dump(),), name=f"rz-bench-{name}")
+        leg.start()
+        leg.join()
         wall = time.perf_counter() - t0
+        if leg.exitcode != 0:
+            raise RuntimeError(f"rz bench async: the {name} run (max_lag={lag}) failed with exit code {leg.exitcode}; "
+                               f"its output is above, its run dir is {r.run_dir}")
         rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
         tr = [x for x in rows if "max_abs_dlogp" in x]
         loop = sum(x["time_step"] for x in tr)
@@ -421,6 +431,20 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     print(f"{line}; {ratios}; weight sync {res['sync']['sync_bytes'] / 1e9:.3f} GB in "
           f"{res['sync']['time_sync_mean']:.3f} s (sync) / {res[runs[1][0]]['time_sync_mean']:.3f} s (async)", flush=True)
     return res
+
+
+def _bench_leg(recipe_dict: dict) -> None:
+    train(Recipe.model_validate(recipe_dict))
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _copy_bandwidth(gib: float = 1.0) -> dict | None:
