@@ -242,6 +242,12 @@ class RolloutConfig(_Strict):
     # learner, the common deployment whose mismatch aligned mode exists to remove.
     dtype: Literal["float32", "bfloat16"] | None = None
     verify_sync: bool = True  # after each sync, check vLLM's logprobs now follow the new weights
+    # How the learner's weights reach the engine (docs/tp.md "Resharding learner -> engine"): "full" =
+    # every tensor gathered whole to learner rank 0 and sent whole to every engine worker; "reshard" =
+    # every learner rank writes only the engine workers' slices of what it holds (vllm_bridge/reshard.py)
+    # and each worker reads only its own: schedule.max_lag=0, rollout.where=local, mode=aligned,
+    # model.arch qwen3_moe / qwen2 / deepseek_v3.
+    weight_sync: Literal["full", "reshard"] = "full"
     verify_every: int = 10
     # Where the engines run: "local" = one in-process vLLM engine on learner rank 0; "servers" = the
     # `vllm serve` processes of an `rz submit` job's rollout nodes (vllm_bridge.server_client.connect;
@@ -508,6 +514,14 @@ class Recipe(_Strict):
                 f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads} "
                 f"and model.num_kv_heads={m.num_kv_heads}"
             )
+        if self.rollout.weight_sync == "reshard":
+            for bad, why in ((self.schedule.max_lag != 0, f"schedule.max_lag={self.schedule.max_lag} (needs 0)"),
+                             (self.rollout.where != "local", f"rollout.where={self.rollout.where} (needs local)"),
+                             (self.mode != "aligned", f"mode={self.mode} (needs aligned)"),
+                             (m.arch not in ("qwen3_moe", "qwen2", "deepseek_v3"),
+                              f"model.arch={m.arch} (needs qwen3_moe, qwen2 or deepseek_v3)")):
+                if bad:
+                    raise ValueError(f"rollout.weight_sync=reshard does not support {why}; use rollout.weight_sync=full")
         if self.warm_start.tokenizer_vocab > m.vocab_size:
             raise ValueError(
                 f"warm_start.tokenizer_vocab={self.warm_start.tokenizer_vocab} exceeds "

@@ -50,10 +50,15 @@ def tensor_bits(t: torch.Tensor) -> int:
     times odd position weights, modulo 2^64. One changed element changes it by d * w with d != 0 and
     w odd, which is never 0 mod 2^64: any single flipped byte (or bit) is caught, always (the float
     sums above miss flips in low mantissa bits: they change a sum of ~1e3 values by ~1e-7)."""
-    x = t.detach().contiguous().reshape(-1)
-    x = x.view(_INT_VIEW[x.element_size()]).to(torch.int64)
+    x = bit_patterns(t)
     w = bits_weights(torch.arange(x.numel(), dtype=torch.int64, device=x.device))
     return int((x * w).sum())  # int64 arithmetic wraps: the sum is taken mod 2^64
+
+
+def bit_patterns(t: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns as flat int64 (what tensor_bits weighs)."""
+    x = t.detach().contiguous().reshape(-1)
+    return x.view(_INT_VIEW[x.element_size()]).to(torch.int64)
 
 
 def bits_weights(flat_index: torch.Tensor) -> torch.Tensor:
@@ -182,7 +187,7 @@ class WeightSyncExtension:
 
         from safetensors.torch import load_file
 
-        from vllm_bridge.reshard import assemble, layout_from_reports
+        from vllm_bridge.shards import assemble, layout_from_reports
 
         me = self.rz_shard_layout()
         files = sorted((Path(directory) / f"rank{me['rank']}").glob("part-*.safetensors"))

@@ -352,6 +352,32 @@ class InlineRollout:
             self.engine.verify_sync(check.items())
         return info
 
+    def reshard_target(self) -> tuple:
+        """(engine layout, directory) of a resharded sync (rollout.weight_sync=reshard): the layout
+        the engine's workers report (vllm_bridge.reshard.engine_layout, asked once per engine) and
+        the run-directory folder every learner rank writes its parts to."""
+        from vllm_bridge.reshard import engine_layout
+
+        if getattr(self, "_layout_of", None) is not self.engine:
+            self._layout, self._layout_of = engine_layout(self.engine), self.engine
+        return self._layout, str(self.run_dir / "rollout" / "weights-resharded")
+
+    def apply_resharded(self, written: dict, *, verify: bool = False) -> dict:
+        """Load a committed resharded version (Learner.write_resharded's result on rank 0) into the
+        local engine; ``verify``: every parameter of every worker against the bytes the learner
+        ranks sent (vllm_bridge.reshard.check_resharded). The files are deleted afterwards."""
+        from vllm_bridge.reshard import ShardedFilesystemTransport, check_resharded, worker_checksums
+
+        update = written["update"]
+        try:
+            info = ShardedFilesystemTransport.apply(update, self.engine)
+            if verify:
+                info["verify"] = check_resharded(written["expected"], worker_checksums(self.engine), self._layout,
+                                                 update.version)
+        finally:
+            ShardedFilesystemTransport.release(update)
+        return info
+
     def restart(self, error: Exception, step: int, version: int) -> bool:
         """After the engine died (RolloutEngineError) in update ``step`` (0-based): a new local
         engine, at most schedule.engine_restarts per run; False when that is not possible (remote

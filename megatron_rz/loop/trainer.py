@@ -112,13 +112,17 @@ def _counted(buckets, tally: list[int]):
         yield b
 
 
-def push_weights(learner, rollout, step: int, *, verify: bool) -> int:
+def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str = "full") -> int:
     """Collective: the learner's weights (version learner.version) into the rollout, bucket by
     bucket through its weight transport. A local engine that dies meanwhile is restarted and the
     push re-run (every rank walks the stream again); any other error stops every rank. Returns the
-    bytes this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0)."""
+    bytes this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0).
+    ``weight_sync="reshard"`` (rollout.weight_sync): every rank writes its slices of the engine
+    workers' shards instead (push_resharded); the bytes returned are then this rank's share."""
     from vllm_bridge.engine import RolloutEngineError
 
+    if weight_sync == "reshard":
+        return push_resharded(learner, rollout, step, verify=verify)
     while True:
         tally = [0]
         buckets = _counted(learner.hf_weight_buckets(), tally)
@@ -141,7 +145,47 @@ def push_weights(learner, rollout, step: int, *, verify: bool) -> int:
             return tally[0]
 
 
-def fetch_batch(learner, rollout, k: int, step: int, max_lag: int):
+def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
+    """Collective, rollout.weight_sync=reshard (docs/tp.md "Resharding learner -> engine"): rank 0
+    asks the local engine for its layout and broadcasts it with the parts directory, every rank
+    writes its parts (Learner.write_resharded: no full tensor on any rank), rank 0 loads them into
+    the engine (each worker reads only its own) and, with ``verify``, checks every parameter's
+    bytes. A dead engine is restarted and the push re-run, as push_weights does."""
+    from vllm_bridge.engine import RolloutEngineError
+    from vllm_bridge.reshard import ShardedFilesystemTransport
+
+    while True:
+        status, error, target = "ok", None, None
+        if rank() == 0:
+            try:
+                target = rollout.reshard_target()
+            except RolloutEngineError as e:
+                if rollout.restart(e, step, learner.version):
+                    status = "restart"
+                else:
+                    error = e
+            except BaseException as e:
+                error = e
+        if _agree(status, error, f"the engine layout for the weight push of update {step + 1}") == "restart":
+            continue
+        layout, directory = broadcast(target)
+        written = learner.write_resharded(layout, ShardedFilesystemTransport(directory), learner.version)
+        status, error = "ok", None
+        if rank() == 0:
+            try:
+                rollout.apply_resharded(written, verify=verify)
+            except RolloutEngineError as e:
+                if rollout.restart(e, step, learner.version):
+                    status = "restart"
+                else:
+                    error = e
+            except BaseException as e:
+                error = e
+        if _agree(status, error, f"the resharded weight push of update {step + 1}") == "ok":
+            return written["sent_bytes"]
+
+
+def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: str = "full"):
     """Collective: batch k (of update ``step`` + 1) from the rollout on rank 0, broadcast, after the
     consumer-side lag-bound check. A dead local engine is restarted (the current weights re-pushed)
     and the batch generated again with the same prompts and seeds."""
@@ -167,7 +211,7 @@ def fetch_batch(learner, rollout, k: int, step: int, max_lag: int):
                 error = e
         if _agree(status, error, f"batch {k} (update {step + 1})") == "restart":
             if learner.version > 0:  # the new engine holds the base model's weights (version 0)
-                push_weights(learner, rollout, step, verify=False)
+                push_weights(learner, rollout, step, verify=False, weight_sync=weight_sync)
             continue
         return broadcast(payload)
 
@@ -185,7 +229,7 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
         if rank0:
             rollout = InlineRollout(recipe, base, run_dir, v0, start_step, engine=connect_engine(recipe, run_dir))
         if resumed:
-            push_weights(learner, rollout, start_step, verify=False)
+            push_weights(learner, rollout, start_step, verify=False, weight_sync=recipe.rollout.weight_sync)
         return rollout
     init = None
     if resumed:  # the rollout starts from the learner's weights: that version on disk first
@@ -285,7 +329,7 @@ def train(recipe: Recipe) -> dict:
         for step in bar:
             k = step - start_step
             t0 = time.perf_counter()
-            batch, meta = fetch_batch(learner, rollout, k, step, max_lag)
+            batch, meta = fetch_batch(learner, rollout, k, step, max_lag, recipe.rollout.weight_sync)
             t1 = time.perf_counter()
 
             version = learner.version
@@ -301,7 +345,7 @@ def train(recipe: Recipe) -> dict:
             t2 = time.perf_counter()
 
             r = recipe.rollout
-            sync_bytes = push_weights(learner, rollout, step,
+            sync_bytes = push_weights(learner, rollout, step, weight_sync=r.weight_sync,
                                       verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
             t3 = time.perf_counter()
 

@@ -201,3 +201,18 @@ def test_local_pieces_at_tp2_ep2_rebuild_the_checkpoint(monkeypatch):
         assert seen[k] % v.numel() == 0 and seen[k] > 0, k
     with pytest.raises(ValueError, match="model.arch=deepseek_v4"):
         next(H.local_hf_pieces(Fake([]), m.model_copy(update={"arch": "deepseek_v4"})))
+
+
+def test_recipe_weight_sync_refusals():
+    from megatron_rz.recipe import load_recipe
+
+    path = str(ROOT / "recipes" / "tiny_moe.yaml")
+    assert load_recipe(path).rollout.weight_sync == "full"  # the default
+    assert load_recipe(path, ["rollout.weight_sync=reshard"]).rollout.weight_sync == "reshard"
+    for bad, key in (("schedule.max_lag=1", "schedule.max_lag=1"), ("mode=fast", "mode=fast"),
+                     ("rollout.where=servers", "rollout.where=servers")):
+        with pytest.raises(Exception, match=f"rollout.weight_sync=reshard does not support {key}") as e:
+            load_recipe(path, ["rollout.weight_sync=reshard", bad])
+        assert len(str(e.value).strip().splitlines()) == 1
+    with pytest.raises(Exception, match="rollout.weight_sync"):
+        load_recipe(path, ["rollout.weight_sync=partial"])
