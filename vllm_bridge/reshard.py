@@ -27,7 +27,8 @@ and sends every whole tensor to every engine worker, which narrows it to its sha
   ranks from the parts they sent (the checksum is a sum over elements, so parts add up) and
   compared with each worker's read-back.
 
-Framework-free (torch only): imported by the learner and by the vLLM workers.
+Framework-free (torch only; imported by the learner and the driver). The boxes, a worker's layout
+and the assembly of its parts live in vllm_bridge/shards.py (what the vLLM workers import).
 """
 
 from __future__ import annotations

@@ -18,8 +18,12 @@ version -> prefix-cache reset). Implementations:
   workers through vLLM's own weight-transfer API (init_weight_transfer_engine /
   start_weight_update / update_weights / finish_weight_update, backend "nccl"); the engine
   then only relabels its version and resets its prefix cache.
+* ``vllm_bridge.reshard.ShardedFilesystemTransport`` (rollout.weight_sync=reshard): no bucket
+  stream; every learner rank writes its slices of each engine worker's shard and each worker reads
+  only its own (docs/tp.md "Resharding learner -> engine"), verified per parameter by
+  ``reshard.check_resharded``.
 
-One verification for all of them: ``check_weights`` compares the learner's readable tensors
+One verification for the bucket transports: ``check_weights`` compares the learner's readable tensors
 (embeddings, norms, router gates, score bias: what stays in checkpoint layout inside vLLM's CPU
 weight processing) with the checksums an engine reports (``engine_checksums``).
 
