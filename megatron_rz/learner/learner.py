@@ -246,8 +246,12 @@ class Learner:
         self.version += 1
 
         keys = sorted(sums)
-        vec = torch.stack([loss_total] + [sums[k] for k in keys])
-        if self.dp > 1:  # every dp rank reaches here with the same metric keys (same loss_fn)
+        if self.dp > 1:  # a dp rank without real rows (batch < dp, or its rows padding) has no metrics
+            every = [None] * self.dp
+            dist.all_gather_object(every, keys, group=self.dp_group)
+            keys = sorted(set().union(*every))
+        vec = torch.stack([loss_total] + [sums.get(k, torch.zeros((), dtype=torch.float64)) for k in keys])
+        if self.dp > 1:  # every dp rank now has the same metric keys
             vec = vec.to(self.device)  # NCCL reduces device tensors only (a no-op on the CPU)
             dist.all_reduce(vec, group=self.dp_group)
             vec = vec.cpu()
