@@ -716,7 +716,7 @@ def format_plan(plan: Plan, recipe: Recipe) -> str:
                  + f" = {plan.rollout_total:.2f} {unit}"
                  + (f" of {plan.rollout_budget:g} ({100 * plan.rollout_total / plan.rollout_budget:.0f}%)"
                     if plan.rollout_budget else ""))
-    fit = "unbounded" if math.isinf(plan.rollout_seqs_fit) else f"{plan.rollout_seqs_fit:.0f}"
+    fit = "unbounded" if math.isinf(plan.rollout_seqs_fit) else f"{math.floor(plan.rollout_seqs_fit)}"
     lines.append(f"    KV cache holds {fit} sequences of {plan.seq_len} tokens per engine "
                  f"({plan.rollout_seqs_wanted} submitted at once)")
     lines += [f"  note: {n}" for n in plan.notes]
