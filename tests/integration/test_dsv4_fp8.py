@@ -16,9 +16,10 @@ Every float tensor redrawn at random. Claims, ``torch.equal`` where they say equ
 * learner == FP8 reference for every micro-batch size and extra padding, fp32 and bf16;
 * a learner train step moves every FP8 master weight (the straight-through gradient reaches it);
   expert parallel (2 gloo ranks) == the FP8 reference with ``RZ_TEST_DSV4_FP8_EP2=1``;
-* engines at TP=1 and TP=2 (one each, module-scoped): generated-token logprobs (T=1) and prompt
-  logprobs (T=0.7) == the FP8 reference, before and after an in-place weight update (verify=True);
-  TP=4 (a group's rows on two ranks: its heads all-gathered) with ``RZ_TEST_DSV4_FP8_TP4=1``;
+* engines (one per TP size, module-scoped; TP=2 by default, TP=1 with ``RZ_TEST_DSV4_FP8_TP1=1``, TP=4
+  (a group's rows on two ranks: its heads all-gathered) with ``RZ_TEST_DSV4_FP8_TP4=1``): generated-token
+  logprobs (T=1) and prompt logprobs (T=0.7) == the FP8 reference, before and after an in-place
+  weight update (verify=True);
 * DeepSeek-V4.1 (test_aligned_vllm_dsv41's tiny V4.1, head_dim 64, o_lora_rank 512): learner == its
   FP8 reference; an FP8 engine at TP=2 == it with ``RZ_TEST_DSV41_FP8=1``;
 * shapes that cannot run bitwise are refused in one line naming the recipe key (no engine).
@@ -57,7 +58,10 @@ SEED = 13
 SCALE = 1.25
 PROMPTS = [torch.randint(2, 96, (n,), generator=torch.Generator().manual_seed(700 + i)).tolist()
            for i, n in enumerate([3, 20, 37])]
-TPS = [1, 2] + ([4] if os.environ.get("RZ_TEST_DSV4_FP8_TP4") == "1" else [])
+# TP=2 by default (the sharded FP8 class: column shards, FP8 row-parallel wo_b, per-rank weight cache);
+# TP=1 (the same class unsharded; its rows run the learner's kernels.models.dsv4.project) and TP=4 opt in
+TPS = (([1] if os.environ.get("RZ_TEST_DSV4_FP8_TP1") == "1" else []) + [2]
+       + ([4] if os.environ.get("RZ_TEST_DSV4_FP8_TP4") == "1" else []))
 REPORT: dict = {}
 
 
