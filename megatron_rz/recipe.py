@@ -102,7 +102,8 @@ class ModelConfig(_Strict):
     # lm_head, embeddings and norms stay in model.dtype (DeepSeek-V4 / V4.1: the linears of
     # kernels.models.dsv4.FP8_LINEARS; needs o_lora_rank % 128 == 0). The learner fake-quantises its master
     # weights each forward (straight-through gradients); the engine quantises them once per weight
-    # sync. Learner parallel.tp > 1: qwen3_moe only, with the shape rules of fp8_tp_problems (docs/tp.md "FP8").
+    # sync. Learner parallel.tp > 1: qwen3_moe and deepseek_v3, with the shape rules of fp8_tp_problems
+    # (docs/tp.md "FP8").
     fp8: Literal["none", "blockwise"] = "none"
 
     @model_validator(mode="after")
@@ -723,29 +724,40 @@ def fp8_tp_problems(m, tp: int) -> list[tuple[str, str]]:
     the learner at parallel.tp=tp (docs/tp.md "FP8"); [] when tp == 1 or it is supported.
 
     Row-parallel FP8 layers (o_proj, dense-layer down_proj) need K % (8 x 128) == 0 (8 segments of
-    whole 128-wide K blocks), column-parallel FP8 shards (q / k / v, dense gate / up) rows per rank
-    that are multiples of 128 (the rank's 128x128 blocks are then the full tensor's). Learner TP > 1
-    in FP8 is implemented for qwen3_moe (MLA's projections and DeepSeek's TP-split shared experts
-    are not)."""
+    whole 128-wide K blocks), column-parallel FP8 shards rows per rank that are multiples of 128 (the
+    rank's 128x128 blocks are then the full tensor's): Qwen3-MoE's q / k / v; DeepSeek-V3's MLA q_proj
+    (q_b with model.q_lora_rank) and kv_b; a dense layer's gate / up. DeepSeek-V3's replicated kv_a,
+    its q_a and its shared experts (q_a and shared experts computed whole on every rank from the
+    all-gathered shards, the single chain, as the engine's replicated ones) add no rule. Implemented
+    for qwen3_moe and deepseek_v3."""
     if tp == 1:
         return []
     seg = _ROW_PARALLEL_K_SEGMENTS * _FP8_BLOCK
     out: list[tuple[str, str]] = []
-    if m.arch != "qwen3_moe":
-        out.append(("model.arch", f"is {m.arch}: learner FP8 at parallel.tp > 1 is implemented for qwen3_moe only"))
+    if m.arch not in ("qwen3_moe", "deepseek_v3"):
+        out.append(("model.arch", f"is {m.arch}: learner FP8 at parallel.tp > 1 is implemented for qwen3_moe "
+                                  "and deepseek_v3 only"))
         return out
     dense = not m.num_experts or m.first_k_dense
-    rows = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim}
+    H = m.num_attention_heads
+    if m.arch == "deepseek_v3":
+        o_key, o_k = "model.num_attention_heads * model.v_head_dim", H * m.v_head_dim
+        cols = {"model.num_attention_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim)":
+                H * (m.qk_nope_head_dim + m.qk_rope_head_dim),  # q_proj, or q_b with q_lora_rank
+                "model.num_attention_heads * (model.qk_nope_head_dim + model.v_head_dim)":
+                H * (m.qk_nope_head_dim + m.v_head_dim)}  # kv_b
+    else:
+        o_key, o_k = "model.num_attention_heads * model.head_dim", H * m.head_dim
+        cols = {"model.num_attention_heads * model.head_dim": H * m.head_dim,
+                "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim}
+    rows = {o_key: o_k}
     if dense:
         rows["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
+        cols["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
     for key, K in rows.items():  # the row-parallel K of o_proj / dense down_proj
         if K % seg:
             out.append((key, f"= {K} (a row-parallel K) must be a multiple of {_ROW_PARALLEL_K_SEGMENTS} x "
                              f"{_FP8_BLOCK} = {seg} ({_ROW_PARALLEL_K_SEGMENTS} segments of whole 128-wide K blocks)"))
-    cols = {"model.num_attention_heads * model.head_dim": m.num_attention_heads * m.head_dim,
-            "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim}
-    if dense:
-        cols["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
     for key, n in cols.items():  # column-parallel rows per rank
         if n % tp or (n // tp) % _FP8_BLOCK:
             out.append((key, f"= {n}: its {n // tp} rows per rank (a column-parallel FP8 shard) must be a "

@@ -35,8 +35,12 @@ block-scaled GEMM -- bitwise what the engine computes from the same weights quan
 Block scales follow the Hugging Face tensors, not Megatron's fused ones: the fused QKV weight is
 quantised as its q / k / v parts and fc1 as its gate and up halves (a 128-row block must not straddle
 two checkpoint tensors), and the outputs are put back in Megatron's layout (an exact permutation).
-Router gate, lm_head, embeddings and norms stay in the model dtype. TP must be 1 (see
-check_aligned_supported).
+Router gate, lm_head, embeddings and norms stay in the model dtype. TP > 1 (Qwen3-MoE and
+DeepSeek-V3; shape rules in check_aligned_supported): column shards quantised per rank (128-row
+aligned), o_proj / dense fc2 through the 8-segment row-parallel FP8 form, DeepSeek-V3's replicated
+kv_a quantised whole, its TP-split q_a and its shared expert each computed whole on every rank from
+the all-gathered shards (`_GatherWeight`, `_fp8_shared_expert_forward`: the single chain, as the
+engine's replicated ones).
 
 Why not nvidia-modelopt's fake quantisation (0.47 has FP8 configs incl. 128x128 blockwise weights):
 its quantiser is not ours bit for bit -- scale = 448 / amax and q = x * scale (a reciprocal multiply;
@@ -254,6 +258,13 @@ def _make_linear_classes():
             )
 
             tp = 1 if self.tp_group is None else self.tp_group.size()
+            if tp > 1 and getattr(self, "rz_fp8_whole", False):
+                # MLA's q_a (q down-projection; alignify_model): Megatron splits its rows, the engine
+                # replicates it; computed whole on the rank's rows from the all-gathered shards
+                # (quantised whole, as the engine), so MLA's output gather / scatter is skipped
+                w = _GatherWeight.apply(self.weight if weight is None else weight, self.tp_group, 0,
+                                        bool(self.sequence_parallel))
+                return kernels.fake_quant_linear(input_, w, None, out_dtype=input_.dtype), None
             if tp > 1 and not self.explicit_expert_comm:
                 if self.sequence_parallel:
                     input_ = gather_seq(input_, self.tp_group)
@@ -270,14 +281,16 @@ def _make_linear_classes():
         """Blockwise-FP8 fake-quant row linear. o_proj and dense fc2: the row-parallel FP8 form
         (`fp8_row_parallel_linear`: 8 per-segment chains when K % 1024 == 0, else the single chain,
         TP=1 only); a shared expert's fc2 (`rz_fp8_single_chain`, set by AlignedSharedExpertMLP: the
-        engine replicates shared experts) the single chain, TP=1 only."""
+        engine replicates shared experts) the single chain (at TP > 1 AlignedSharedExpertMLP computes
+        the shared expert whole instead of calling this)."""
 
         def forward(self, input_):
             tp = 1 if self.tp_group is None else self.tp_group.size()
             bias = self.bias if not self.skip_bias_add else None
             if self.explicit_expert_comm or getattr(self, "rz_fp8_single_chain", False):
                 if tp > 1 and not self.explicit_expert_comm:
-                    raise NotImplementedError("model.fp8=blockwise: a TP-split shared expert needs parallel.tp=1")
+                    raise NotImplementedError("model.fp8=blockwise: a TP-split shared expert's fc2 keeps the single "
+                                              "chain; compute it whole (_fp8_shared_expert_forward)")
                 out = kernels.fake_quant_linear(input_, self.weight, bias, out_dtype=input_.dtype)
             else:
                 if bias is not None:
@@ -326,6 +339,47 @@ def _fp8_expert_forward(x: torch.Tensor, w_fc1: torch.Tensor, w_fc2: torch.Tenso
     g = kernels.fake_quant_linear(x, w_fc1[:i], out_dtype=x.dtype)
     u = kernels.fake_quant_linear(x, w_fc1[i:], out_dtype=x.dtype)
     return kernels.fake_quant_linear(kernels.swiglu(g, u), w_fc2, out_dtype=x.dtype)
+
+
+class _GatherWeight(torch.autograd.Function):
+    """All-gather a TP-split weight along ``dim`` in rank order, so that every rank can compute the
+    layer whole. Backward: the rank's slice of the full-weight gradient; with ``partial`` (each rank
+    computed on its own tokens: sequence parallel) the full gradients are first summed over the group."""
+
+    @staticmethod
+    def forward(ctx, w, group, dim, partial):  # type: ignore[override]
+        ctx.group, ctx.dim, ctx.partial = group, dim, partial
+        parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, w.detach().contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.contiguous()
+        if ctx.partial:
+            dist.all_reduce(g, group=ctx.group)
+        mine = g.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)[dist.get_rank(ctx.group)]
+        return mine.contiguous(), None, None, None
+
+
+def _fp8_shared_expert_forward(se, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A shared expert in blockwise FP8. TP=1: fc1 (gate / up) and fc2 with the single chain. TP > 1:
+    Megatron keeps the shared expert TP-split (fc1 rows, fc2 K columns), but a single FP8 chain cannot
+    be split by K and the engine computes shared experts whole, so every rank all-gathers the fc1 /
+    fc2 shards (the full gate, up and down weights) and computes the rank's tokens (its sequence
+    chunk) whole: bitwise the TP=1 rows. The weight gradients go back to the shards (summed over the
+    ranks' tokens under sequence parallelism)."""
+    group = se.linear_fc1.tp_group
+    tp = 1 if group is None else group.size()
+    if tp == 1:
+        return aligned_mlp_forward(se, hidden_states)
+    sp = bool(se.config.sequence_parallel)
+    w1 = _GatherWeight.apply(se.linear_fc1.weight, group, 0, sp)  # [g_0; u_0; g_1; u_1; ...]
+    w1 = w1.view(tp, 2, -1, w1.shape[-1]).transpose(0, 1).reshape(w1.shape)  # [gate; up]
+    w2 = _GatherWeight.apply(se.linear_fc2.weight, group, 1, sp)
+    # the rank's rows (its sequence chunk under SP; all rows, replicated, without): per-row activation
+    # quantisation, so each row is the TP=1 row; the input gradient is then already complete
+    return _fp8_expert_forward(hidden_states, w1, w2)
 
 
 def _make_replicated_linear():
@@ -507,6 +561,8 @@ def _make_mlp_classes():
 
         def forward(self, hidden_states):
             assert not self.use_shared_expert_gate, "aligned mode: shared expert gate unsupported"
+            if hasattr(self.linear_fc1, "rz_fp8_role"):  # model.fp8=blockwise
+                return _fp8_shared_expert_forward(self, hidden_states)
             return aligned_mlp_forward(self, hidden_states)
 
     class AlignedMoELayer(MoELayer):
@@ -568,7 +624,7 @@ def _make_mlp_classes():
                 y = reduce_scatter_to_sequence_parallel_region(y, group=group)
             shared = None
             if self.use_shared_expert:
-                shared = aligned_mlp_forward(self.shared_experts, hidden_states).reshape(s * b, H)
+                shared = AlignedSharedExpertMLP.forward(self.shared_experts, hidden_states).reshape(s * b, H)
             out = kernels.moe_combine(y.view(s * b, k, H), wts, shared, out_dtype=x.dtype)
             return out.view(s, b, H), None
 
@@ -696,6 +752,7 @@ def alignify_model(model, norm_cls, core_cls) -> None:
         if cls in fp8_swap and mod is not out_layer and name.endswith(_KEEP_IN_SPEC):
             mod.__class__ = fp8_swap[cls]
             mod.rz_fp8_role = "plain"
+            mod.rz_fp8_whole = name.endswith("linear_q_down_proj")  # at TP > 1: computed whole
         elif cls in swappable:
             mod.__class__ = swappable[cls]
         elif cls in table or cls in (norm_cls, core_cls):
