@@ -88,6 +88,16 @@ def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
+def keep_in_graph(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y``, linked to ``x``'s autograd graph when it is not already (gradient exactly zero, bits of
+    ``y`` unchanged): an expert-parallel rank whose experts got no token computes its slot outputs as
+    plain zeros, and without the link its backward would skip the collectives (reduce-scatter of the
+    slot gradients, the sequence all-gather's backward) that the other ranks of the group run: a hang."""
+    if torch.is_grad_enabled() and x.requires_grad and not y.requires_grad:
+        return y + x[:0].sum()  # an empty sum: exactly 0.0, but a graph edge to x
+    return y
+
+
 class _RowParallelAligned(torch.autograd.Function):
     """Row-parallel linear over a TP group: per-segment fp32 partials, all-gathered, added in global
     segment order, rounded once; with sequence parallelism each rank keeps its sequence chunk.

@@ -134,7 +134,7 @@ class DeepseekV4MoE(nn.Module):
         import kernels
         from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-        from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq
+        from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq, keep_in_graph
 
         c = self.c
         w = R.fp8_getter(c, lambda n: R.lookup(self, n.removeprefix("ffn.")), None, "")  # FP8: quantised per call
@@ -143,7 +143,7 @@ class DeepseekV4MoE(nn.Module):
         ids, wts = R.route(c, w, self.index, x, input_ids)
         x_all = gather_seq(x, self.group)  # autograd: all-gather forward, reduce-scatter backward
         ids_all = all_gather_first_dim(ids, self.group)
-        y_all = R.routed_outputs(c, w, x_all, ids_all, self.owned)  # other ranks' slots: exact zeros
+        y_all = keep_in_graph(R.routed_outputs(c, w, x_all, ids_all, self.owned), x_all)  # other ranks' slots: exact zeros
         T, k = ids.shape
         y = reduce_scatter_to_sequence_parallel_region(y_all.reshape(-1, k * x.shape[1]), group=self.group)
         shared = R.expert(c, w, x, "ffn.shared_experts.") if c.n_shared_experts else None

@@ -154,14 +154,14 @@ class KimiMoE(_Sub):
         """kimi_moe_forward's ops with the routed slots computed where their expert lives."""
         from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-        from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq
+        from megatron_rz.learner.aligned_spec import all_gather_first_dim, gather_seq, keep_in_graph
 
         ids, wts, shared = R.route_and_shared(c, get, x)
         z = x if c.latent_size is None else kernels.linear(x, get("routed_expert_down_proj.weight"))
         T, k = ids.shape
         z_all = gather_seq(z, self.group)  # autograd: all-gather forward, reduce-scatter backward
         ids_all = all_gather_first_dim(ids, self.group)
-        y_all = R.routed_slots(c, get, z_all, ids_all, self.owned)  # other ranks' slots: exact zeros
+        y_all = keep_in_graph(R.routed_slots(c, get, z_all, ids_all, self.owned), z_all)  # other ranks' slots: exact zeros
         y = reduce_scatter_to_sequence_parallel_region(y_all.reshape(-1, k * z.shape[1]), group=self.group)
         y = y.view(T, k, -1)
         if c.latent_size is None:
