@@ -388,7 +388,8 @@ def rollout_tp_errors(recipe: Recipe) -> list[str]:
         return []
     ok = [t for t in range(1, seg + 1) if seg % t == 0 and not _sharded_tp_problems(m, t)]
     fix = (f"use rollout.tensor_parallel_size={'/'.join(map(str, ok))}" + (" (with rollout.num_engines and "
-           "cluster.rollout to match)" if recipe.cluster.rollout.gpus_per_node else "") + ", or mode=fast")
+           "cluster.rollout to match)" if recipe.cluster.rollout.gpus_per_node else "")
+           + (", or model.fp8=none" if m.fp8 != "none" else ", or mode=fast"))  # FP8 runs in aligned mode only
     return ["; ".join(what for _, what in problems)
             + f": the aligned {m.arch} vLLM class shards only at a tensor-parallel size dividing {seg} that also "
             f"divides its heads / experts / dense size (bitwise equal to the learner); {fix}"]
