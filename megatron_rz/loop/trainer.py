@@ -112,6 +112,26 @@ def _counted(buckets, tally: list[int]):
         yield b
 
 
+def _on_rank0(rollout, step: int, version: int, fn, cleanup=lambda: None) -> tuple[str, BaseException | None]:
+    """Rank 0's share of a collective step of the weight push: run ``fn``. On an error, ``cleanup``
+    first (e.g. walk the rest of a collective stream, so the other ranks are not left waiting), then a
+    dead local engine is restarted ("restart": the caller re-runs the step) and any other error is
+    returned for _agree to raise on every rank. Other ranks: ("ok", None)."""
+    from vllm_bridge.engine import RolloutEngineError
+
+    if rank() != 0:
+        return "ok", None
+    try:
+        fn()
+    except RolloutEngineError as e:
+        cleanup()
+        return ("restart", None) if rollout.restart(e, step, version) else ("ok", e)
+    except BaseException as e:
+        cleanup()
+        return "ok", e
+    return "ok", None
+
+
 def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str = "full") -> int:
     """Collective: the learner's weights (version learner.version) into the rollout, bucket by
     bucket through its weight transport. A local engine that dies meanwhile is restarted and the
@@ -119,28 +139,15 @@ def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str 
     bytes this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0).
     ``weight_sync="reshard"`` (rollout.weight_sync): every rank writes its slices of the engine
     workers' shards instead (push_resharded); the bytes returned are then this rank's share."""
-    from vllm_bridge.engine import RolloutEngineError
-
     if weight_sync == "reshard":
         return push_resharded(learner, rollout, step, verify=verify)
     while True:
         tally = [0]
         buckets = _counted(learner.hf_weight_buckets(), tally)
-        status, error = "ok", None
-        if rank() == 0:
-            try:
-                rollout.push_weights(buckets, learner.version, verify=verify)
-            except RolloutEngineError as e:
-                _drain(buckets)  # the other ranks are still walking the stream
-                if rollout.restart(e, step, learner.version):
-                    status = "restart"
-                else:
-                    error = e
-            except BaseException as e:
-                _drain(buckets)
-                error = e
-        else:
-            _drain(buckets)
+        status, error = _on_rank0(rollout, step, learner.version,
+                                  lambda: rollout.push_weights(buckets, learner.version, verify=verify),
+                                  cleanup=lambda: _drain(buckets))
+        _drain(buckets)  # the other ranks walk the stream (collective) without pushing
         if _agree(status, error, f"the weight push of update {step + 1}") == "ok":
             return tally[0]
 
@@ -151,36 +158,17 @@ def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
     writes its parts (Learner.write_resharded: no full tensor on any rank), rank 0 loads them into
     the engine (each worker reads only its own) and, with ``verify``, checks every parameter's
     bytes. A dead engine is restarted and the push re-run, as push_weights does."""
-    from vllm_bridge.engine import RolloutEngineError
     from vllm_bridge.reshard import ShardedFilesystemTransport
 
     while True:
-        status, error, target = "ok", None, None
-        if rank() == 0:
-            try:
-                target = rollout.reshard_target()
-            except RolloutEngineError as e:
-                if rollout.restart(e, step, learner.version):
-                    status = "restart"
-                else:
-                    error = e
-            except BaseException as e:
-                error = e
+        target: list = []
+        status, error = _on_rank0(rollout, step, learner.version, lambda: target.append(rollout.reshard_target()))
         if _agree(status, error, f"the engine layout for the weight push of update {step + 1}") == "restart":
             continue
-        layout, directory = broadcast(target)
+        layout, directory = broadcast(target[0] if target else None)
         written = learner.write_resharded(layout, ShardedFilesystemTransport(directory), learner.version)
-        status, error = "ok", None
-        if rank() == 0:
-            try:
-                rollout.apply_resharded(written, verify=verify)
-            except RolloutEngineError as e:
-                if rollout.restart(e, step, learner.version):
-                    status = "restart"
-                else:
-                    error = e
-            except BaseException as e:
-                error = e
+        status, error = _on_rank0(rollout, step, learner.version,
+                                  lambda: rollout.apply_resharded(written, verify=verify))
         if _agree(status, error, f"the resharded weight push of update {step + 1}") == "ok":
             return written["sent_bytes"]
 

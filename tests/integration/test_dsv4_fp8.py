@@ -226,6 +226,7 @@ def test_learner_ep2_equals_fp8_reference(ckpt, tmp_path):
     On the module checkpoint's redrawn weights, where a rank's experts can get no token in a layer:
     before ``aligned_spec.keep_in_graph`` that rank's backward skipped the slot reduce-scatter's
     collectives and the run hung (seen 2026-12-02, FP8 or not)."""
+    import signal
     import subprocess
     import sys
 
@@ -240,8 +241,16 @@ def test_learner_ep2_equals_fp8_reference(ckpt, tmp_path):
             cmd += ["--set", o]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # its own session, so a hang kills torchrun's workers too (not only torchrun)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("the EP=2 learner hung (300 s): " + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     res = torch.load(out, weights_only=False)
     ids, mask, _ = fixed_batch(96)
     m = mask.bool()

@@ -286,6 +286,36 @@ class _PushLearner:
         yield {"model.norm.weight": torch.ones(2)}
 
 
+class _DyingPush(_Rollout):
+    """Its engine dies during the first ``pushes_dying`` weight pushes, after reading one bucket."""
+
+    def __init__(self, pushes_dying: int, error=None, **kw):
+        super().__init__(deaths=0, **kw)
+        self.pushes_dying, self.error, self.attempts = pushes_dying, error, 0
+
+    def push_weights(self, buckets, version, verify=False):
+        from vllm_bridge.engine import RolloutEngineError
+
+        self.attempts += 1
+        if self.attempts <= self.pushes_dying:
+            next(iter(buckets))
+            raise self.error or RolloutEngineError("engine core died (-9) during the weight push")
+        super().push_weights(buckets, version, verify)
+
+
+def test_weight_push_restarts_a_dead_engine_and_pushes_again():
+    from megatron_rz.loop.trainer import push_weights
+    from vllm_bridge.engine import RolloutEngineError
+
+    ro = _DyingPush(1)
+    assert push_weights(_PushLearner(), ro, 3, verify=False) == 8  # the second push's bytes (2 fp32)
+    assert ro.restarts == 1 and ro.attempts == 2 and [v for _, v in ro.pushed] == [7]
+    with pytest.raises(RolloutEngineError):  # past the restart budget the error stops the run
+        push_weights(_PushLearner(), _DyingPush(3), 3, verify=False)
+    with pytest.raises(ValueError, match="bad bucket"):  # any other error is not retried
+        push_weights(_PushLearner(), _DyingPush(1, error=ValueError("bad bucket")), 3, verify=False)
+
+
 def test_dead_engine_is_restarted_with_current_weights_and_the_batch_reruns_identically():
     from megatron_rz.loop.rollout_process import RolloutProcessError
     from megatron_rz.loop.trainer import fetch_batch
