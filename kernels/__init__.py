@@ -18,6 +18,7 @@ _EXPORTS = {
     # device dispatch (kernels/dispatch.py): Triton for CUDA tensors, the exact reference otherwise
     "linear": "dispatch",
     "linear_partial": "dispatch",
+    "row_partials": "dispatch",
     "rms_norm": "dispatch",
     "apply_rope": "dispatch",
     "attention": "dispatch",

@@ -41,7 +41,7 @@ from .settings import backend, set_backend
 
 __all__ = [
     "set_backend", "backend", "use_triton",
-    "linear", "linear_partial", "rms_norm", "apply_rope", "attention", "causal_attention",
+    "linear", "linear_partial", "row_partials", "rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "log_softmax", "token_logprobs",
     "quantize_act_groupwise", "fp8_gemm", "fp8_gemm_partial", "fp8_row_partials", "fp8_linear",
@@ -401,6 +401,16 @@ def fp8_gemm_partial(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: t
     from .triton.fp8 import fp8_gemm as tg
 
     return tg(xq, xs, wq, ws, None, out_dtype=torch.float32)  # fp32 out, no bias: the chain itself
+
+
+def row_partials(x: torch.Tensor, weight: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """One TP rank of a row-parallel linear (docs/tp.md): ``x[..., Kr]`` the rank's K shard, ``weight``
+    its ``[N, Kr]`` shard; the fp32 partials (``linear_partial``) of its ``n_segments`` equal K
+    segments, ``[n_segments, ..., N]``, to be gathered in rank order, added with ``sum_partials`` and
+    rounded with ``finish_linear``. The unquantised twin of ``fp8_row_partials``."""
+    step = x.shape[-1] // n_segments
+    return torch.stack([linear_partial(x[..., j * step:(j + 1) * step], weight[:, j * step:(j + 1) * step])
+                        for j in range(n_segments)], dim=0)
 
 
 def fp8_row_partials(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n_segments: int) -> torch.Tensor:

@@ -109,11 +109,7 @@ class _RowParallelAligned(torch.autograd.Function):
         ctx.group, ctx.sp = group, sp
         tp = dist.get_world_size(group)
         local = segments // tp
-        K = x.shape[-1]
-        step = K // local
-        parts = [kernels.linear_partial(x[..., i * step : (i + 1) * step], w[:, i * step : (i + 1) * step])
-                 for i in range(local)]
-        mine = torch.stack(parts, dim=0)  # [local, ..., N] fp32
+        mine = kernels.row_partials(x, w, local)  # [local, ..., N] fp32
         gathered = [torch.empty_like(mine) for _ in range(tp)]
         dist.all_gather(gathered, mine.contiguous(), group=group)
         allp = [g[i] for g in gathered for i in range(local)]  # rank order, then segment order

@@ -186,10 +186,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
             wq, ws = w(name + FP8_SUFFIX)
             mine = fp8_row_partials(x, wq, ws, local)
         else:
-            weight = w(name)
-            step = x.shape[-1] // local
-            mine = torch.stack([kernels.linear_partial(x[..., j * step:(j + 1) * step],
-                                                       weight[:, j * step:(j + 1) * step]) for j in range(local)], dim=0)
+            mine = kernels.row_partials(x, w(name), local)
         allp = get_tp_group().all_gather(mine.contiguous(), dim=0)  # rank order = segment order
         return kernels.finish_linear(kernels.sum_partials(list(allp.unbind(0))), None, x.dtype)
 
