@@ -557,6 +557,11 @@ class RolloutEngine:
             raise box["err"]
         return box["out"]
 
+    def collective_rpc(self, method: str, *args: Any) -> list:
+        """Call a worker-extension method (vllm_bridge.worker_ext) on every worker: the per-worker
+        results in rank order. A dead engine raises RolloutEngineError."""
+        return self._rpc(method, *args)
+
     def _rpc(self, method: str, *args: Any) -> list:
         with self.guard(f"collective_rpc {method}"):
             return self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
@@ -694,16 +699,20 @@ class RolloutEngine:
         return result
 
     # ---- weight sync ---------------------------------------------------------------------------
-    def apply_weights(self, payloads: Iterable[bytes | str], version: int, *, reload: bool = True) -> dict:
+    def apply_weights(self, payloads: Iterable[bytes | str], version: int, *, reload: bool = True,
+                      stage: str = "rz_stage_weights") -> dict:
         """The staging protocol, the only one: abort anything half-staged, stage every bucket
         (safetensors bytes, or the path of a safetensors file the worker reads itself), commit them
         with one in-place reload (a layer split over two reloads would be half empty: worker_ext),
         then set the version (set_weight_version: label and prefix-cache reset). A failure aborts
         the staged buckets (when the engine is still alive) and re-raises: the old weights and
         version stay. ``reload=False`` is a test hook that transfers but never loads (a broken sync
-        verify_sync must catch). Returns sizes and timings (also kept in ``last_sync``)."""
+        verify_sync must catch). ``stage="rz_stage_shards"``: each payload is a resharded version
+        directory (vllm_bridge.reshard). Returns sizes and timings (also kept in ``last_sync``), and
+        "workers", each worker's report of its last staged payload."""
         t0 = time.perf_counter()
-        info = stage_and_commit(self._rpc, payloads, version, reload=reload, alive=lambda: self.dead_reason() is None)
+        info = stage_and_commit(self._rpc, payloads, version, reload=reload, alive=lambda: self.dead_reason() is None,
+                                stage=stage)
         self.set_weight_version(version)
         self.last_sync = {
             "version": int(version),
@@ -712,6 +721,7 @@ class RolloutEngine:
             "rpcs": info["staged"] + 2,
             "reload_s": info["reload_s"],
             "total_s": time.perf_counter() - t0,
+            "workers": info["workers"],
         }
         return dict(self.last_sync)
 

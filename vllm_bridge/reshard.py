@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,13 +53,13 @@ _MOD = 1 << 64
 
 def engine_layout(engine) -> EngineLayout:
     """The engine's own report of what each worker holds (collective_rpc rz_shard_layout)."""
-    return layout_from_reports(engine._rpc("rz_shard_layout"))
+    return layout_from_reports(engine.collective_rpc("rz_shard_layout"))
 
 
 def worker_checksums(engine) -> list[dict]:
     """Every worker's checksum_entry of every parameter, in engine-rank order (check_resharded's
     ``reported``)."""
-    return [x["sums"] for x in sorted(engine._rpc("rz_shard_checksums"), key=lambda x: x["rank"])]
+    return [x["sums"] for x in sorted(engine.collective_rpc("rz_shard_checksums"), key=lambda x: x["rank"])]
 
 
 def layout_to_json(layout: EngineLayout) -> list[dict]:
@@ -266,22 +265,10 @@ class ShardedFilesystemTransport:
 
     @staticmethod
     def apply(update: ShardedUpdate, engine, *, reload: bool = True) -> dict:
-        """Every worker stages its own ``rank{e}/`` parts, then one commit (in-place reload) and the
-        version label: the tail of the staging protocol (RolloutEngine.apply_weights)."""
-        import contextlib
-
-        t0 = time.perf_counter()
-        engine._rpc("rz_abort_weights")
-        try:
-            staged = engine._rpc("rz_stage_shards", update.directory)
-            info = engine._rpc("rz_commit_weights", int(update.version), bool(reload))[0]
-        except BaseException:
-            with contextlib.suppress(Exception):
-                engine._rpc("rz_abort_weights")
-            raise
-        engine.set_weight_version(update.version)
-        return {"version": int(update.version), "workers": staged, "reload_s": info.get("reload_s"),
-                "total_s": time.perf_counter() - t0}
+        """The engine's one staging protocol (RolloutEngine.apply_weights) on the version directory:
+        every worker stages its own ``rank{e}/`` parts, then one commit (in-place reload) and the
+        version label. "workers": what each worker read."""
+        return engine.apply_weights([update.directory], update.version, reload=reload, stage="rz_stage_shards")
 
     @staticmethod
     def release(update: ShardedUpdate) -> None:

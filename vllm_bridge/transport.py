@@ -100,21 +100,26 @@ class WeightUpdate:
 
 
 def stage_and_commit(rpc: Callable[..., list], payloads: Iterable[bytes | str | os.PathLike], version: int, *,
-                     reload: bool = True, alive: Callable[[], bool] = lambda: True) -> dict:
+                     reload: bool = True, alive: Callable[[], bool] = lambda: True,
+                     stage: str = "rz_stage_weights") -> dict:
     """The workers' half of the staging protocol, however they are reached (``rpc(method, *args)``
     returns the per-worker results: RolloutEngine's collective_rpc, a server's /collective_rpc):
     abort whatever is half-staged, stage each payload (safetensors bytes, or the path of a
     safetensors file the worker reads itself), commit them all with one in-place reload
     (worker_ext). On failure the staged buckets are aborted (when ``alive()``) and the error
     re-raised: the old weights stay. Returns the first worker's commit info plus "staged"
-    (payloads) and "bytes". The caller then sets the version label and resets the prefix cache."""
+    (payloads), "bytes" and "workers" (the last stage call's per-worker results). ``stage``: the
+    worker method that stages one payload; "rz_stage_shards" stages a resharded version directory,
+    each worker reading only its own rank's parts (vllm_bridge.reshard). The caller then sets the
+    version label and resets the prefix cache."""
     staged = n_bytes = 0
+    workers: list = []
     rpc("rz_abort_weights")
     try:
         for payload in payloads:
             raw = isinstance(payload, (bytes, bytearray))
-            n_bytes += len(payload) if raw else os.path.getsize(payload)
-            rpc("rz_stage_weights", payload if raw else str(payload))
+            n_bytes += len(payload) if raw else _path_bytes(payload)
+            workers = rpc(stage, payload if raw else str(payload))
             staged += 1
         info = rpc("rz_commit_weights", int(version), bool(reload))[0]
     except BaseException:
@@ -122,7 +127,13 @@ def stage_and_commit(rpc: Callable[..., list], payloads: Iterable[bytes | str | 
             with contextlib.suppress(Exception):
                 rpc("rz_abort_weights")
         raise
-    return {**(info if isinstance(info, dict) else {}), "staged": staged, "bytes": n_bytes}
+    return {**(info if isinstance(info, dict) else {}), "staged": staged, "bytes": n_bytes, "workers": workers}
+
+
+def _path_bytes(path: str | os.PathLike) -> int:
+    """A payload file's size; a version directory's files, all of them."""
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
 
 
 class WeightTransport:
