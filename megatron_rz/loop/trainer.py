@@ -411,7 +411,8 @@ def train(recipe: Recipe) -> dict:
 def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] = (2,)) -> dict:
     """Same recipe, ``steps`` updates at max_lag=0 (sync) and at each of ``lags``, in one invocation;
     updates/s is over the update loop (sum of per-update wall times: rollout wait + learner + sync;
-    start-up and evaluation excluded). Every run starts from one base model (warm start made once).
+    start-up and evaluation excluded). Every run starts from one base model (warm start made once);
+    each invocation writes to a new RUN_DIR/bench_async/run<i>/ (earlier results are kept).
     Also the weight sync per update: bytes pushed, seconds on the learner's critical path and their
     ratio (sync: the in-process reload into the engine; async: the write for the rollout process,
     which loads it off the critical path), and on CUDA the host <-> device copy bandwidth of the
@@ -421,13 +422,17 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     root = recipe.run_dir / "bench_async"
     shared = prepare_base_model(recipe.model_copy(deep=True), root)
     _release_device_memory()  # a warm start on the GPU leaves the allocator's cache in this process
-    res: dict = {"steps": steps, "lags": list(lags)}
+    i = 1
+    while (root / f"run{i}").exists():  # an earlier bench's results stay: each invocation gets its own folder
+        i += 1
+    out = root / f"run{i}"
+    res: dict = {"steps": steps, "lags": list(lags), "dir": str(out)}
     runs = [("sync", 0)] + [(f"async_lag{lag}", lag) for lag in lags]
     for name, lag in runs:
         r = recipe.model_copy(deep=True)
         r.schedule.steps, r.schedule.max_lag, r.schedule.eval_every = steps, lag, 0
         r.schedule.time_limit_s = 0.0  # every run does all its steps
-        r.logging.run_dir = str(root / name)
+        r.logging.run_dir = str(out / name)
         r.logging.wandb, r.logging.plots, r.logging.progress = False, False, False
         r.checkpoint.every, r.checkpoint.load = 0, None
         if not (r.run_dir / "base_model" / "config.json").exists():
@@ -459,7 +464,7 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     res["link"] = _copy_bandwidth()
     line = "; ".join(f"{n} {res[n]['updates_per_s']:.3f} updates/s" for n, _ in runs)
     ratios = ", ".join(f"{n}/sync = {res[f'{n}_over_sync']:.2f}" for n, _ in runs[1:])
-    (root / "bench_async.json").write_text(json.dumps(res, indent=1))
+    (out / "bench_async.json").write_text(json.dumps(res, indent=1))
     print(f"{line}; {ratios}; weight sync {res['sync']['sync_bytes'] / 1e9:.3f} GB in "
           f"{res['sync']['time_sync_mean']:.3f} s (sync) / {res[runs[1][0]]['time_sync_mean']:.3f} s (async)", flush=True)
     return res

@@ -106,8 +106,8 @@ PYEOF
           > "$d/bench_async.log" 2>&1
         echo "rc=$? bench async" | tee -a "$d/summary.txt"
         grep -E "updates/s" "$d/bench_async.log" | tail -2 | tee -a "$d/summary.txt"
-        cp "$rd/bench_async/bench_async.json" "$d/" 2>/dev/null
-        for r in "$rd"/bench_async/*/metrics.jsonl; do cp "$r" "$d/$(basename "$(dirname "$r")").metrics.jsonl"; done
+        cp "$rd"/bench_async/run*/bench_async.json "$d/" 2>/dev/null
+        for r in "$rd"/bench_async/run*/*/metrics.jsonl; do cp "$r" "$d/$(basename "$(dirname "$r")").metrics.jsonl"; done
       fi
       [ "$st" = d3 ] || { log "stage $st done in $((SECONDS - t0)) s"; return 0; }
       for mode in ${D3_MODES-aligned fast}; do
