@@ -53,6 +53,11 @@ CONFIGS = {
                     first_k_dense_replace=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                     norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
                     vocab_size=32000),
+    # DeepSeek-R1-Distill-Qwen-1.5B's real shapes: dense Qwen2, 28 layers, hidden 1536, 12 / 2 heads of
+    # 128, MLP 8960, vocab 151936, q/k/v biases, untied (1.78B)
+    "qwen2_1p5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
+                       intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       vocab_size=151936, rope_theta=10000.0, use_sliding_window=False),
 }
 COMMON = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False,
               torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, attention_bias=False)
@@ -66,7 +71,14 @@ def _shapes(c: dict) -> dict:
         s[p + "input_layernorm.weight"] = (H,)
         s[p + "post_attention_layernorm.weight"] = (H,)
         a = p + "self_attn."
-        if c["model_type"] == "qwen3_moe":
+        if c["model_type"] == "qwen2":
+            nh, nk = c["num_attention_heads"], c["num_key_value_heads"]
+            D = H // nh
+            s.update({a + "q_proj.weight": (nh * D, H), a + "q_proj.bias": (nh * D,),
+                      a + "k_proj.weight": (nk * D, H), a + "k_proj.bias": (nk * D,),
+                      a + "v_proj.weight": (nk * D, H), a + "v_proj.bias": (nk * D,), a + "o_proj.weight": (H, nh * D)})
+            moe, shared = False, 0
+        elif c["model_type"] == "qwen3_moe":
             D, nh, nk = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
             s.update({a + "q_proj.weight": (nh * D, H), a + "k_proj.weight": (nk * D, H),
                       a + "v_proj.weight": (nk * D, H), a + "o_proj.weight": (H, nh * D),
@@ -106,6 +118,8 @@ def make_ckpt(name: str, out: str, seed: int = 0) -> dict:
     from safetensors.torch import save_file
 
     c = {**COMMON, **CONFIGS[name]}
+    if c["model_type"] == "qwen2":
+        c.pop("attention_bias")
     os.makedirs(out, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     sd = {}
@@ -206,88 +220,207 @@ def check(ckpt: str, out: str, *, which=("aligned", "stock")) -> dict:
     return res
 
 
-def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20) -> dict:
-    """Stock and aligned vLLM side by side in this process, alternating rounds per cell."""
+# engine kinds of ``bench``: (aligned?, extra environment of its process)
+ENGINE_KINDS = {
+    "stock": (False, {}),  # vLLM's own class, CUDA graphs + torch.compile (its defaults)
+    "stock_bi": (False, {"VLLM_BATCH_INVARIANT": "1"}),  # vLLM's own batch-invariant mode
+    "aligned": (True, {}),  # the project's aligned class (RolloutEngine(aligned=True))
+    # the aligned class with the split-KV decode and the one-kernel MoE work list off (the plans
+    # before them; same bits, kernels.settings)
+    "aligned_base": (True, {"RZ_DECODE_SPLIT": "0", "RZ_FUSED_WORK_LIST": "0"}),
+}
+
+
+# the RL grid: short and long prompts, long generations, batch 1 to 256
+DEFAULT_CELLS = "1x64x128,32x64x128,256x64x128,256x1024x128,64x512x512,128x256x1024,32x2048x1024"
+
+
+def _median(xs: list) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]], rounds: int, seeded: list[bool],
+              mem_gb: float = 20) -> dict:
+    """One engine of ``kind``, alone in this process: every cell, seeded and/or unseeded, one untimed
+    warm-up round then ``rounds`` timed rounds of ``LLM.generate`` (``ignore_eos``, ``logprobs=0``,
+    temperature 1). Seeded = a per-request seed on every request (what rollouts use)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     max_len = max(p + n for _, p, n in cells) + 16
-    engines = {}
-    res: dict = {"ckpt": ckpt, "config": cfg.get("architectures"), "gpu": torch.cuda.get_device_name(), "cells": []}
-    for kind in ("stock", "aligned"):
-        t0 = time.perf_counter()
-        engines[kind] = _engine(ckpt, kind == "aligned", mem_gb=mem_gb, max_len=max_len)
-        res[f"{kind}_startup_s"] = round(time.perf_counter() - t0, 1)
-        print(f"{kind} engine up in {res[f'{kind}_startup_s']} s", flush=True)
+    t0 = time.perf_counter()
+    eng = _engine(ckpt, ENGINE_KINDS[kind][0], mem_gb=mem_gb, max_len=max_len)
+    res: dict = {"engine": kind, "ckpt": ckpt, "gpu": torch.cuda.get_device_name(),
+                 "startup_s": round(time.perf_counter() - t0, 1), "env": ENGINE_KINDS[kind][1], "cells": []}
+    print(f"{kind} engine up in {res['startup_s']} s", flush=True)
     try:
         for (B, P, N) in cells:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
-            sp = SamplingParams(n=1, temperature=1.0, max_tokens=N, ignore_eos=True, logprobs=0,
-                                seed=0, detokenize=False)
-            times = {"stock": [], "aligned": []}
-            for kind in ("stock", "aligned"):  # warm-up: one untimed full round (Triton JIT of new shapes)
-                engines[kind].llm.generate(prompts, sp, use_tqdm=False)
-            for _ in range(rounds):
-                for kind in ("stock", "aligned"):
+            for sd in seeded:
+                sps = [SamplingParams(n=1, temperature=1.0, max_tokens=N, ignore_eos=True, logprobs=0,
+                                      seed=(1000 + i) if sd else None, detokenize=False) for i in range(B)]
+                eng.llm.generate(prompts, sps, use_tqdm=False)  # warm-up (Triton JIT, graph shapes)
+                times = []
+                for _ in range(rounds):
                     torch.cuda.synchronize()
                     t = time.perf_counter()
-                    outs = engines[kind].llm.generate(prompts, sp, use_tqdm=False)
-                    times[kind].append(time.perf_counter() - t)
+                    outs = eng.llm.generate(prompts, sps, use_tqdm=False)
+                    times.append(time.perf_counter() - t)
                     assert sum(len(o.outputs[0].token_ids) for o in outs) == B * N
-            cell = {"batch": B, "prompt": P, "new": N}
-            for kind in ("stock", "aligned"):
-                ts = sorted(times[kind])
-                cell[f"{kind}_s"] = [round(x, 4) for x in times[kind]]
-                cell[f"{kind}_tok_s"] = round(B * N / ts[len(ts) // 2], 1)
-            cell["aligned_over_stock_time"] = round(sorted(times["aligned"])[rounds // 2] / sorted(times["stock"])[rounds // 2], 3)
-            print(json.dumps(cell), flush=True)
-            res["cells"].append(cell)
+                cell = {"batch": B, "prompt": P, "new": N, "seeded": sd, "rounds_s": [round(x, 4) for x in times],
+                        "median_s": round(_median(times), 4), "min_s": round(min(times), 4),
+                        "max_s": round(max(times), 4), "tok_s": round(B * N / _median(times), 1)}
+                print(json.dumps(cell), flush=True)
+                res["cells"].append(cell)
     finally:
-        for e in engines.values():
-            e.close()
+        eng.close()
     json.dump(res, open(out, "w"), indent=1)
     return res
 
 
+def compare(parts: list[dict]) -> dict:
+    """Cells of several ``bench_one`` results side by side: each engine's median and spread and
+    aligned / each other engine (medians); the worst and best cell of each ratio."""
+    by = {p["engine"]: {(c["batch"], c["prompt"], c["new"], c["seeded"]): c for c in p["cells"]} for p in parts}
+    keys = sorted(set().union(*[set(v) for v in by.values()]))
+    rows = []
+    for k in keys:
+        row = {"batch": k[0], "prompt": k[1], "new": k[2], "seeded": k[3]}
+        for e, cells in by.items():
+            if k in cells:
+                c = cells[k]
+                row[e] = {x: c[x] for x in ("median_s", "min_s", "max_s", "rounds_s", "tok_s")}
+        if "aligned" in row:
+            for e in by:
+                if e != "aligned" and e in row:
+                    row[f"aligned_over_{e}"] = round(row["aligned"]["median_s"] / row[e]["median_s"], 3)
+        rows.append(row)
+    summary = {}
+    for e in by:
+        r = [x for x in rows if f"aligned_over_{e}" in x]
+        if r:
+            worst = max(r, key=lambda x: x[f"aligned_over_{e}"])
+            best = min(r, key=lambda x: x[f"aligned_over_{e}"])
+            cell = lambda x: f"{x['batch']}x{x['prompt']}x{x['new']}{' seeded' if x['seeded'] else ''}"  # noqa: E731
+            summary[f"aligned_over_{e}"] = {"worst": worst[f"aligned_over_{e}"], "worst_cell": cell(worst), "best": best[f"aligned_over_{e}"],
+                                            "best_cell": cell(best), "cells": len(r)}
+    return {"engines": {p["engine"]: {"startup_s": p["startup_s"], "env": p["env"]} for p in parts},
+            "gpu": parts[0].get("gpu"), "ckpt": parts[0].get("ckpt"), "summary": summary, "cells": rows}
+
+
+def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20,
+          engines: tuple = ("stock", "aligned"), seeded: tuple = (True,)) -> dict:
+    """Each engine in its own fresh process, one after the other (never two engines on the GPU at
+    a time), then :func:`compare`. Writes ``out`` and each engine's part beside it."""
+    import subprocess
+
+    parts = []
+    base = os.path.splitext(out)[0]
+    for kind in engines:
+        part = f"{base}.{kind}.json"
+        env = {**os.environ, **ENGINE_KINDS[kind][1]}
+        cmd = [sys.executable, os.path.abspath(__file__), "bench-one", "--engine", kind, "--ckpt", ckpt, "--out", part,
+               "--cells", ",".join("x".join(map(str, c)) for c in cells), "--rounds", str(rounds),
+               "--mem-gb", str(mem_gb), "--seeded", ",".join("on" if x else "off" for x in seeded)]
+        r = subprocess.run(cmd, env=env)
+        if r.returncode != 0 or not os.path.exists(part):
+            print(f"bench: engine {kind} failed (exit {r.returncode}); continuing", flush=True)
+            continue
+        parts.append(json.load(open(part)))
+    if not parts:
+        raise SystemExit("bench: no engine ran")
+    res = compare(parts)
+    res["command"] = " ".join(sys.argv)
+    json.dump(res, open(out, "w"), indent=1)
+    for row in res["cells"]:
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+    print("summary", json.dumps(res["summary"]), flush=True)
+    return res
+
+
 def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = "aligned") -> dict:
-    """Where the time goes: one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), each cell
-    generated once under torch.profiler after a warm-up; the top CUDA kernels (graph replays
-    included, as CUPTI reports them) and the wall vs summed kernel time (the rest is host work:
-    scheduling, sampling, Python)."""
+    """Where the time goes: one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), per cell:
+    * the unprofiled wall of the cell and of the same prompts with half the new tokens, whose
+      difference over the extra tokens is the marginal decode step;
+    * one generate under torch.profiler: the top CUDA kernels (graph replays included, as CUPTI
+      reports them) and the wall vs summed kernel time (the rest is host work or gaps);
+    * one generate under cProfile: the host functions by own and cumulative time (scheduling,
+      input preparation, sampling, Python launch overhead)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprof
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    aligned, env = ENGINE_KINDS[kind]
+    os.environ.update(env)
+    from kernels import settings
+
+    settings.set_decode_split(os.environ.get("RZ_DECODE_SPLIT", "1") != "0")
+    settings.set_fused_work_list(os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0")
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
-    eng = _engine(ckpt, kind == "aligned", mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
-    res: dict = {"ckpt": ckpt, "engine": kind, "cells": []}
+    eng = _engine(ckpt, aligned, mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
+    res: dict = {"ckpt": ckpt, "engine": kind, "env": env, "cells": []}
     lines = []
     try:
         for (B, P, N) in cells:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
-            sp = SamplingParams(n=1, temperature=1.0, max_tokens=N, ignore_eos=True, logprobs=0, seed=0,
-                                detokenize=False)
-            eng.llm.generate(prompts, sp, use_tqdm=False)
-            torch.cuda.synchronize()
+
+            def sp(n):
+                return [SamplingParams(n=1, temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0, seed=1000 + i,
+                                       detokenize=False) for i in range(B)]
+
+            def timed(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                eng.llm.generate(prompts, sp(n), use_tqdm=False)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+
+            timed(N)  # warm-up
+            walls = {n: sorted(timed(n) for _ in range(3))[1] for n in (N // 2, N)}
+            step_ms = (walls[N] - walls[N // 2]) / (N - N // 2) * 1e3
             with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t = time.perf_counter()
-                eng.llm.generate(prompts, sp, use_tqdm=False)
+                eng.llm.generate(prompts, sp(N), use_tqdm=False)
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - t
             ev = [e for e in prof.key_averages() if e.device_time_total > 0 and str(e.device_type).endswith("CUDA")]
             ev.sort(key=lambda e: -e.device_time_total)
             gpu_total = sum(e.device_time_total for e in ev) / 1e6
+            n_kernels = sum(e.count for e in ev)
             top = [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
-                    "share": round(e.device_time_total / 1e6 / max(gpu_total, 1e-9), 3)} for e in ev[:20]]
-            cell = {"batch": B, "prompt": P, "new": N, "wall_s": round(wall, 4), "kernel_s": round(gpu_total, 4),
-                    "top": top}
+                    "share": round(e.device_time_total / 1e6 / max(gpu_total, 1e-9), 3)} for e in ev[:25]]
+            pr = cProfile.Profile()
+            pr.enable()
+            eng.llm.generate(prompts, sp(N), use_tqdm=False)
+            torch.cuda.synchronize()
+            pr.disable()
+            host = {}
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(30)
+                host[key] = [ln for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
+            cell = {"batch": B, "prompt": P, "new": N, "wall_s": round(walls[N], 4), "wall_half_s": round(walls[N // 2], 4),
+                    "decode_step_ms": round(step_ms, 3), "profiled_wall_s": round(wall, 4),
+                    "kernel_s": round(gpu_total, 4), "kernel_launches": n_kernels, "top": top, "host": host}
             res["cells"].append(cell)
-            lines.append(f"== {kind} {B}x{P}x{N}: wall {wall:.3f} s, kernels {gpu_total:.3f} s")
+            lines.append(f"== {kind} {B}x{P}x{N}: wall {walls[N]:.3f} s (half the new tokens {walls[N // 2]:.3f} s: "
+                         f"decode step {step_ms:.2f} ms); profiled wall {wall:.3f} s, kernels {gpu_total:.3f} s in "
+                         f"{n_kernels} launches")
             lines += [f"  {x['ms']:9.2f} ms {x['share']:6.1%} {x['calls']:6d}  {x['name']}" for x in top]
-            print("\n".join(lines[-21:]), flush=True)
+            lines.append("  -- host, by own time (cProfile) --")
+            lines += ["  " + ln for ln in host["tottime"]]
+            lines.append("  -- host, by cumulative time --")
+            lines += ["  " + ln for ln in host["cumulative"]]
+            print("\n".join(lines), flush=True)
     finally:
         eng.close()
     json.dump(res, open(out, "w"), indent=1)
@@ -305,31 +438,45 @@ def main(argv=None) -> int:
     b.add_argument("--ckpt", required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--engines", default="aligned,stock")
-    c = sub.add_parser("bench")
-    c.add_argument("--ckpt", required=True)
-    c.add_argument("--out", required=True)
-    c.add_argument("--cells", default="256x64x128,32x64x128,1x64x128")
-    c.add_argument("--rounds", type=int, default=3)
-    c.add_argument("--mem-gb", type=float, default=20)
+    for name in ("bench", "bench-one"):
+        c = sub.add_parser(name)
+        c.add_argument("--ckpt", required=True)
+        c.add_argument("--out", required=True)
+        c.add_argument("--cells", default=DEFAULT_CELLS)
+        c.add_argument("--rounds", type=int, default=5)
+        c.add_argument("--mem-gb", type=float, default=20)
+        c.add_argument("--seeded", default="on", help="on, off or on,off: per-request seeds")
+        if name == "bench":
+            c.add_argument("--engines", default="stock,aligned", help=f"comma list of {sorted(ENGINE_KINDS)}")
+        else:
+            c.add_argument("--engine", choices=sorted(ENGINE_KINDS), required=True)
     d = sub.add_parser("profile")
     d.add_argument("--ckpt", required=True)
     d.add_argument("--out", required=True)
-    d.add_argument("--cells", default="1x64x64,32x64x64")
-    d.add_argument("--engine", default="aligned", choices=["aligned", "stock"])
+    d.add_argument("--cells", default="64x512x256")
+    d.add_argument("--engine", default="aligned", choices=sorted(ENGINE_KINDS))
     args = ap.parse_args(argv)
     taken = os.path.join(args.out, "config.json") if args.cmd == "ckpt" else args.out
     if os.path.exists(taken):  # never overwrite an earlier run's results or checkpoint
         print(f"rollout_gpu: --out {args.out} already holds results; give another --out", file=sys.stderr)
         return 2
+    cells = [tuple(int(x) for x in c.split("x")) for c in getattr(args, "cells", "").split(",") if c]
     if args.cmd == "ckpt":
         make_ckpt(args.config, args.out)
     elif args.cmd == "check":
         check(args.ckpt, args.out, which=tuple(args.engines.split(",")))
     elif args.cmd == "profile":
-        profile(args.ckpt, args.out, [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")], args.engine)
+        profile(args.ckpt, args.out, cells, args.engine)
     else:
-        cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
-        bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb)
+        seeded = [{"on": True, "off": False}[x] for x in args.seeded.split(",")]
+        if args.cmd == "bench-one":
+            bench_one(args.ckpt, args.out, args.engine, cells, args.rounds, seeded, args.mem_gb)
+        else:
+            bad = [e for e in args.engines.split(",") if e not in ENGINE_KINDS]
+            if bad:
+                print(f"rollout_gpu: --engines {bad[0]!r} unknown; choose from {sorted(ENGINE_KINDS)}", file=sys.stderr)
+                return 2
+            bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb, tuple(args.engines.split(",")), tuple(seeded))
     return 0
 
 

@@ -2,8 +2,10 @@
 
 Set them with :func:`set_backend` / :func:`set_gemm_small_tiles` (``megatron_rz.launch.runtime`` does, from
 the recipe's ``runtime`` section). Processes started for a run (vLLM's workers, torchrun ranks) read
-their start values from the environment the launcher sets: ``RZ_KERNELS`` (``auto`` | ``reference``)
-and ``RZ_GEMM_SMALL_TILES`` (``1`` | ``0``).
+their start values from the environment the launcher sets: ``RZ_KERNELS`` (``auto`` | ``reference``),
+``RZ_GEMM_SMALL_TILES``, ``RZ_DECODE_SPLIT`` and ``RZ_FUSED_WORK_LIST`` (``1`` | ``0``). The last three
+choose between launch plans of the same numbers (speed only, never a bit): benchmarks switch them off
+to time the plain plans beside the fast ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ BACKENDS = ("auto", "reference")
 
 _backend = os.environ.get("RZ_KERNELS", "auto")
 _small_tiles = os.environ.get("RZ_GEMM_SMALL_TILES", "1") != "0"
+_decode_split = os.environ.get("RZ_DECODE_SPLIT", "1") != "0"
+_fused_work_list = os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0"
 
 
 def set_backend(name: str) -> None:
@@ -38,3 +42,25 @@ def set_gemm_small_tiles(on: bool) -> None:
 def gemm_small_tiles() -> bool:
     """Whether the GPU GEMM picks its short-K tile table."""
     return _small_tiles
+
+
+def set_decode_split(on: bool) -> None:
+    """Paged decode attention: split each sequence's keys over several programs (flash-decoding
+    with chunk-aligned split points, ``kernels.triton.attn.paged_attention``); same bits either way."""
+    global _decode_split
+    _decode_split = bool(on)
+
+
+def decode_split() -> bool:
+    return _decode_split
+
+
+def set_fused_work_list(on: bool) -> None:
+    """Grouped MoE: build small work lists in one kernel (``kernels.triton.moe.work_list``) instead of
+    torch's sort and scans; same values either way."""
+    global _fused_work_list
+    _fused_work_list = bool(on)
+
+
+def fused_work_list() -> bool:
+    return _fused_work_list

@@ -24,6 +24,8 @@ Prefill programs run the chunks one after the other inside one program; decode (
 runs **one program per (chunk, sequence, KV head)** -- split-KV with split points fixed in key
 positions -- and a second kernel merges the fp32 chunk states in chunk order with the same
 operations: bitwise the same result (tested), with enough programs to fill the GPU at batch 1.
+The paged decode (the engine's) does the same with a fixed number of programs per (sequence, KV
+head), each computing every ``splits``-th chunk (``paged_attention``).
 
 Fixed for every call (part of the numerics): ``BLOCK_M = 64`` rows per program (the row sums'
 order follows the MMA layout, which changes with BLOCK_M), ``BLOCK_N``, ``KV_CHUNK``, num_warps 4,
@@ -41,7 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention", "attention_batched", "paged_attention", "paged_kv_write", "BLOCK_N", "BLOCK_M", "KV_CHUNK"]
+from .. import settings
+
+__all__ = ["attention", "attention_batched", "paged_attention", "paged_kv_write", "decode_splits", "BLOCK_N", "BLOCK_M",
+           "KV_CHUNK"]
 
 BLOCK_N = 64  # KV tile: fixed, part of the numerics contract
 BLOCK_M = 64  # rows (query, head) per program: fixed too (see module docstring)
@@ -357,9 +362,97 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr, o_ptr,
              mask=mm[:, None] & (rdv[None, :] < DV))
 
 
+@triton.jit
+def _paged_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr, wm_ptr, wl_ptr, wacc_ptr, NC, NSPLIT,
+                        sq_t, sq_h, s_blk, s_kvh, s_slot, s_bt, scale,
+                        GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """Decode over a paged cache, split-KV: program (s, b, kh) computes the chunks c = s, s + NSPLIT,
+    ... of sequence b's keys, each from a fresh state exactly as ``_rows_chunked`` does, and stores
+    every chunk's raw state (m, l, acc) at ws[(b, head), c]; ``_paged_merge_kernel`` folds them in
+    chunk order. Rows: the GQA group's heads of b's one query (a sequence without a query: nothing)."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    kh = tl.program_id(2)
+    q0 = tl.load(cu_ptr + b)
+    nq = tl.load(cu_ptr + b + 1) - q0
+    L_b = tl.load(seqlen_ptr + b)
+    if nq == 1:
+        r = tl.arange(0, BLOCK_M)
+        mm = r < GROUP
+        h = kh * GROUP + r
+        qrow = q0.to(tl.int64)
+        pos = tl.where(mm, L_b - 1, -1)
+        rd = tl.arange(0, BLOCK_D)
+        rdv = tl.arange(0, BLOCK_DV)
+        q = tl.load(q_ptr + qrow * sq_t + h[:, None] * sq_h + rd[None, :],
+                    mask=mm[:, None] & (rd[None, :] < D), other=0.0)
+        kb = k_ptr + kh * s_kvh
+        vb = v_ptr + kh * s_kvh
+        bt = bt_ptr + b.to(tl.int64) * s_bt
+        row = b.to(tl.int64) * (GROUP * tl.num_programs(2)) + h  # flat (sequence, head) index
+        for lo in range(s * KV_CHUNK, L_b, NSPLIT * KV_CHUNK):
+            c = lo // KV_CHUNK
+            m_c, l_c, acc_c = _chunk_state(q, kb, vb, pos, lo, tl.minimum(lo + KV_CHUNK, L_b), L_b, s_slot, s_slot,
+                                           scale, rd, rdv, D, DV, BLOCK_M, BLOCK_DV, BLOCK_N, bt, s_blk, PAGE)
+            tl.store(wm_ptr + row * NC + c, m_c, mask=mm)
+            tl.store(wl_ptr + row * NC + c, l_c, mask=mm)
+            tl.store(wacc_ptr + (row * NC + c)[:, None] * DV + rdv[None, :], acc_c,
+                     mask=mm[:, None] & (rdv[None, :] < DV))
+
+
+@triton.jit
+def _paged_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, cu_ptr, seqlen_ptr, o_ptr, Hq, NC, so_t, so_h,
+                        DV: tl.constexpr, BLOCK_DV: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """out[b's query, h] = its chunk states folded in chunk order (the operations of _rows_chunked)."""
+    row = tl.program_id(0).to(tl.int64)  # (sequence, head)
+    b = row // Hq
+    h = row % Hq
+    q0 = tl.load(cu_ptr + b)
+    nq = tl.load(cu_ptr + b + 1) - q0
+    if nq == 1:
+        nc = tl.cdiv(tl.load(seqlen_ptr + b), KV_CHUNK)
+        rdv = tl.arange(0, BLOCK_DV)
+        mv = rdv < DV
+        M = tl.full((1,), float("-inf"), tl.float32)
+        L = tl.zeros((1,), tl.float32)
+        ACC = tl.zeros((1, BLOCK_DV), tl.float32)
+        for c in range(0, nc):
+            m_c = tl.load(wm_ptr + row * NC + c + tl.zeros((1,), tl.int32))
+            l_c = tl.load(wl_ptr + row * NC + c + tl.zeros((1,), tl.int32))
+            acc_c = tl.load(wacc_ptr + (row * NC + c) * DV + rdv[None, :], mask=mv[None, :], other=0.0)
+            M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
+        out = _finish(L, ACC)
+        tl.store(o_ptr + q0.to(tl.int64) * so_t + h * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mv[None, :])
+
+
+# split-KV decode: aim at this many programs per SM (host sizes only: a captured graph keeps its split)
+SPLIT_PROGRAMS_PER_SM = 4
+# and never more than this much fp32 chunk-state workspace (else the one-pass kernel)
+SPLIT_WORKSPACE_BYTES = 256 << 20
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_chunks: int, sm_count: int) -> int:
+    """Programs per (sequence, KV head) for a decode batch: enough to give every SM
+    ``SPLIT_PROGRAMS_PER_SM`` programs, at most one per chunk. Free to choose: the split never changes
+    a bit (every chunk's state is computed and merged the same way)."""
+    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, max(1, num_seqs * num_kv_heads))
+    return max(1, min(num_chunks, want))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_q_len: int,
-                    out: torch.Tensor, num_seqs: Optional[int] = None) -> torch.Tensor:
+                    out: torch.Tensor, num_seqs: Optional[int] = None, splits: Optional[int] = None) -> torch.Tensor:
     """Causal attention over a paged KV cache, written into ``out[Tq, Hq, Dv]`` (rows of other
     tokens are left untouched).
 
@@ -370,6 +463,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last ones of its keys (query j of n at position
     ``seq_len - n + j``). Sequences with no queries (CUDA-graph padding) do nothing; keys at and past
     ``seq_len`` are never read. Grid: ``(ceil(max_q_len * G / 64), num_seqs, Hkv)``, host sizes only.
+
+    Decode batches (``max_q_len == 1``) split each sequence's keys over ``splits`` programs per
+    (sequence, KV head) (default :func:`decode_splits`: from the batch size and the GPU, never from
+    device data; ``1``: the one-pass kernel) and fold the 256-key chunk states in chunk order in a
+    second kernel -- flash-decoding with split points fixed in key positions, so the bits are the
+    one-pass kernel's whatever the split (tested). The chunk count comes from the block table's
+    width (host-known), so a captured graph serves every length up to it.
 
     Bitwise :func:`attention` / :func:`attention_batched` on the same keys (same tiles, chunks,
     order): prefill, chunked prefill and decode of a sequence give the bits the learner's
@@ -389,6 +489,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     G = Hq // Hkv
     if Tq == 0 or B == 0 or max_q_len <= 0:
         return out
+    if max_q_len == 1 and G <= BLOCK_M:
+        nc = triton.cdiv(block_table.shape[1] * PAGE, KV_CHUNK)
+        if splits is None:
+            fits = B * Hq * nc * (Dv + 2) * 4 <= SPLIT_WORKSPACE_BYTES
+            on = fits and q.is_cuda and settings.decode_split()
+            splits = decode_splits(B, Hkv, nc, _sm_count(q.device)) if on else 1
+        if splits > 1:
+            wm = torch.empty(B * Hq, nc, device=q.device, dtype=torch.float32)
+            wl = torch.empty_like(wm)
+            wacc = torch.empty(B * Hq, nc, Dv, device=q.device, dtype=torch.float32)
+            _paged_split_kernel[(int(splits), B, Hkv)](
+                q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, wm, wl, wacc, nc, int(splits),
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                block_table.stride(0), float(scale),
+                GROUP=G, D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+                PAGE=PAGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, num_warps=NUM_WARPS,
+                num_stages=2, enable_fp_fusion=False)
+            _paged_merge_kernel[(B * Hq,)](wm, wl, wacc, cu_seqlens_q, seq_lens, out, Hq, nc, out.stride(0),
+                                           out.stride(1), DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+                                           KV_CHUNK=KV_CHUNK, num_warps=1, enable_fp_fusion=False)
+            return out
     grid = (triton.cdiv(int(max_q_len) * G, BLOCK_M), B, Hkv)
     _paged_kernel[grid](
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out,

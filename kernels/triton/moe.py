@@ -18,6 +18,8 @@ token's MoE output is bitwise the same whatever the batch, and bitwise equal to
 Work list on the device (no host sync, CUDA-graph capturable): the flat expert ids are stably sorted;
 per-expert counts come from an integer scatter-add (exact); each expert gets ``ceil(count / BLOCK_M)``
 row tiles; the grid is the static upper bound ``ceil(T*k / BLOCK_M) + E`` and unused programs exit.
+Small lists (decode) are built by one single-program kernel with the same integer values
+(``work_list``); the order of rows inside an expert never changes a row's bits anyway.
 
 Kernels: (1) gate+up grouped GEMM with the SwiGLU epilogue (two accumulators, same chains as two
 separate GEMMs, rows gathered from x by token id); (2) down grouped GEMM writing each row back to its
@@ -33,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ..gemm import ROW_PARALLEL_K_SEGMENTS
 
 _USE_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
@@ -41,7 +44,7 @@ if _USE_LIBDEVICE:
 _LIBDEVICE = tl.constexpr(_USE_LIBDEVICE)
 
 __all__ = ["moe_experts", "moe_experts_merged", "grouped_linear", "swiglu", "moe_combine", "expert_mlp",
-           "make_work_list"]
+           "make_work_list", "work_list"]
 
 
 @triton.jit
@@ -184,6 +187,80 @@ def _block_m(rows: int, n_experts: int) -> int:
     return 128
 
 
+@triton.jit
+def _work_list_kernel(ids_ptr, order_ptr, tok_ptr, tile_expert_ptr, tile_start_ptr, expert_end_ptr, R, MAX_TILES,
+                      TOP_K: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CH: tl.constexpr):
+    """The whole work list in one program (integers only, so exact): per-expert counts, their
+    cumulative ends, each (token, slot) row's place in the stable expert sort (the rows of one
+    expert keep their flat order: rank = rows of that expert before it), and the tile table; the
+    same values as ``make_work_list``'s torch ops."""
+    re = tl.arange(0, E_P2)
+    rc = tl.arange(0, CH)
+    counts = tl.zeros((E_P2,), tl.int32)
+    for r0 in range(0, R, CH):
+        e = tl.load(ids_ptr + r0 + rc, mask=r0 + rc < R, other=-1).to(tl.int32)  # -1: no expert
+        counts += tl.sum((e[:, None] == re[None, :]).to(tl.int32), axis=0)
+    end = tl.cumsum(counts, axis=0)
+    start = end - counts
+    tl.store(expert_end_ptr + re, end, mask=re < E)
+    run = start
+    for r0 in range(0, R, CH):
+        ri = r0 + rc
+        e = tl.load(ids_ptr + ri, mask=ri < R, other=-1).to(tl.int32)
+        oh = (e[:, None] == re[None, :]).to(tl.int32)
+        before = tl.cumsum(oh, axis=0) - oh  # rows of the same expert earlier in this chunk
+        dst = tl.sum(oh * (before + run[None, :]), axis=1)
+        tl.store(order_ptr + dst, ri, mask=ri < R)
+        tl.store(tok_ptr + dst, ri // TOP_K, mask=ri < R)
+        run += tl.sum(oh, axis=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tcum = tl.cumsum(tiles, axis=0)
+    tfirst = tcum - tiles
+    for t0 in range(0, MAX_TILES, CH):
+        t = t0 + rc
+        te = tl.sum(((tcum[None, :] <= t[:, None]) & (re[None, :] < E)).to(tl.int32), axis=1)  # searchsorted right
+        te_c = tl.minimum(te, E - 1)
+        sel = (re[None, :] == te_c[:, None]).to(tl.int32)
+        ts = tl.sum(sel * start[None, :], axis=1) + (t - tl.sum(sel * tfirst[None, :], axis=1)) * BLOCK_M
+        tl.store(tile_expert_ptr + t, tl.where(te < E, te_c, -1), mask=t < MAX_TILES)
+        tl.store(tile_start_ptr + t, ts, mask=t < MAX_TILES)
+
+
+# one-program work list up to this many (row x expert) one-hot cells (decode and small prefill);
+# larger lists take the torch ops (same values)
+FUSED_WORK_LIST_CELLS = 1 << 20
+
+
+def work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int, top_k: int = 1):
+    """``(order, tok, tile_expert, tile_start, expert_end)``, all int32 on the device, no host sync:
+    :func:`make_work_list`'s values plus ``tok = order // top_k`` (the token of each sorted row).
+    Small lists are one launch (``_work_list_kernel``), larger ones torch's sort and scans; the
+    choice is a function of host sizes only and never changes a value."""
+    R = flat_ids.numel()
+    e_p2 = triton.next_power_of_2(max(2, n_experts))
+    if flat_ids.is_cuda and R * e_p2 <= FUSED_WORK_LIST_CELLS and settings.fused_work_list():
+        return _work_list_fused(flat_ids, n_experts, block_m, top_k)
+    order, tile_expert, tile_start, expert_end = make_work_list(flat_ids.to(torch.int64), n_experts, block_m)
+    return (order.to(torch.int32), (order // top_k).to(torch.int32), tile_expert, tile_start, expert_end)
+
+
+def _work_list_fused(flat_ids: torch.Tensor, n_experts: int, block_m: int, top_k: int):
+    dev = flat_ids.device
+    R = flat_ids.numel()
+    e_p2 = triton.next_power_of_2(max(2, n_experts))
+    max_tiles = triton.cdiv(R, block_m) + n_experts
+    order = torch.empty(R, device=dev, dtype=torch.int32)
+    tok = torch.empty(R, device=dev, dtype=torch.int32)
+    tile_expert = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    tile_start = torch.empty(max_tiles, device=dev, dtype=torch.int32)
+    expert_end = torch.empty(n_experts, device=dev, dtype=torch.int32)
+    ch = max(16, min(256, 8192 // e_p2))
+    _work_list_kernel[(1,)](flat_ids.contiguous(), order, tok, tile_expert, tile_start, expert_end, R, max_tiles,
+                            TOP_K=top_k, E=n_experts, E_P2=e_p2, BLOCK_M=block_m, CH=ch, num_warps=4)
+    return order, tok, tile_expert, tile_start, expert_end
+
+
 def make_work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int):
     """Stable expert sort and the per-program tile table, all on the device (no host sync).
 
@@ -212,7 +289,7 @@ def make_work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int):
 
 
 def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, block_m):
-    _, tile_expert, tile_start, expert_end = work
+    tile_expert, tile_start, expert_end = work[-3:]
     if K % nseg:
         raise ValueError(f"grouped GEMM: K={K} not divisible into {nseg} segments")
     seg_len = K // nseg
@@ -252,8 +329,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, *
     if R == 0:
         return out
     bm = _block_m(R, E)
-    work = make_work_list(expert_ids.reshape(-1).to(torch.int64), E, bm)
-    order = work[0].to(torch.int32)
+    work = work_list(expert_ids.reshape(-1), E, bm)
+    order = work[0]
     _launch_grouped(x, order, w, None, out, order, work, N, K, int(k_segments), False, bm)
     return out
 
@@ -352,12 +429,9 @@ def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_dow
     if T == 0:
         return torch.empty(0, H, device=x.device, dtype=x.dtype)
     bm = _block_m(R, E)
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    work = make_work_list(flat, E, bm)
-    order = work[0]
-    tok = (order // k).to(torch.int32)
+    work = work_list(topk_ids.reshape(-1), E, bm, top_k=k)
+    order, tok = work[0], work[1]
     act = torch.empty(R, I, device=x.device, dtype=x.dtype)
     _launch_grouped(x, tok, w_gate, w_up, act, None, work, I, H, 1, True, bm)
-    _launch_grouped(act, None, w_down, None, y, order.to(torch.int32), work, H, I, int(k_segments_down), False,
-                    bm)
+    _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm)
     return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)

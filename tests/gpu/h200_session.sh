@@ -25,6 +25,10 @@
 #   profile_small  per-kernel split of the batch-32 cell, aligned and stock
 #   bench  rollout time aligned vs stock on moe1b (batch 256 with 7 rounds, then 32 and 1)
 #   profile  per-kernel split of the batch-256 cell, aligned and stock
+#   profile_rl  the RL cell 64 x 512 x 256: aligned, aligned_base (this round's decode plans off) and
+#          stock, each alone in its own process: wall, marginal decode step, kernels, host (cProfile)
+#   bench_rl   the RL grid (rollout_gpu.py DEFAULT_CELLS), each engine alone in its own process, 5
+#          rounds per cell: BENCH_ENGINES (default stock,aligned), BENCH_SEEDED (default on), BENCH_CKPT
 set -u
 OUT=${OUT:-/tmp/rz_out}
 mkdir -p "$OUT"
@@ -142,6 +146,15 @@ PYEOF
         "$PY" benchmarks/rollout_gpu.py profile --ckpt /root/ckpt/moe1b --out "$d/profile_256_$e.json" \
           --cells 256x64x64 --engine $e 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | tail -30
       done ;;
+    profile_rl)
+      for e in ${PROFILE_ENGINES:-aligned aligned_base stock}; do
+        "$PY" benchmarks/rollout_gpu.py profile --ckpt "${BENCH_CKPT:-/root/ckpt/moe1b}" --out "$d/profile_rl_$e.json" \
+          --cells ${PROFILE_CELLS:-64x512x256} --engine $e 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | grep -E "^== " | tee -a "$d/summary.txt"
+      done ;;
+    bench_rl)
+      "$PY" benchmarks/rollout_gpu.py bench --ckpt "${BENCH_CKPT:-/root/ckpt/moe1b}" --out "$d/bench_rl.json" \
+        --engines ${BENCH_ENGINES:-stock,aligned} --seeded ${BENCH_SEEDED:-on} --rounds ${BENCH_ROUNDS:-5} \
+        ${BENCH_CELLS:+--cells $BENCH_CELLS} 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | grep -E "^\{|summary|engine|failed" | tee "$d/summary.txt" ;;
     *) echo "unknown stage $st"; return 2 ;;
   esac
   log "stage $st done in $((SECONDS - t0)) s"

@@ -70,6 +70,76 @@ def test_paged_attention_equals_contiguous_and_is_invariant():
     assert torch.equal(out2, ref)
 
 
+def test_paged_split_decode_equals_one_pass_any_split_and_in_a_graph():
+    """Decode over the paged cache split over 1..n programs per (sequence, KV head) (flash-decoding
+    with chunk-aligned split points and an ordered merge): bitwise the one-pass kernel and the
+    contiguous reference, for every split, with padded requests, and replayed from a CUDA graph
+    captured at other lengths (the engine's FULL decode graphs)."""
+    need_cuda()
+    from kernels.triton import attn as A
+
+    lens = [1, 255, 256, 257, 700, 1030, 2047, 64]
+    nq = [1] * len(lens)
+    q, kc, vc, bt, cu, pos, kcont, vcont, sl = _paged_setup(lens, nq, Hq=16, Hkv=4)
+    D = q.shape[-1]
+    ref = A.attention_batched(q, kcont, vcont, cu, pos, D ** -0.5, max_q_len=1, split_kv=False)
+    nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
+    for splits in (1, 2, 3, 5, nc, None):
+        out = torch.full_like(ref, float("nan"))
+        A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=out, splits=splits)
+        assert torch.equal(out, ref), splits
+    # padded requests (no query) write nothing, whatever the split
+    cu_pad = torch.cat([cu, cu[-1:].repeat(3)])
+    sl_pad = torch.cat([sl, torch.zeros(3, device="cuda", dtype=torch.int32)])
+    bt_pad = torch.cat([bt, torch.zeros(3, bt.shape[1], device="cuda", dtype=torch.int32)])
+    for splits in (1, 4):
+        out = torch.full_like(ref, float("nan"))
+        A.paged_attention(q, kc, vc, bt_pad, cu_pad, sl_pad, D ** -0.5, max_q_len=1, out=out, splits=splits)
+        assert torch.equal(out, ref), splits
+    # captured with every sequence one key long, replayed at the real lengths
+    sl_g = torch.ones_like(sl)
+    out_g = torch.zeros_like(ref)
+    A.paged_attention(q, kc, vc, bt, cu, sl_g, D ** -0.5, max_q_len=1, out=out_g, splits=4)  # JIT outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.paged_attention(q, kc, vc, bt, cu, sl_g, D ** -0.5, max_q_len=1, out=out_g, splits=4)
+    sl_g.copy_(sl)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_g, ref)
+    assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(256, 4, 16, 132) == 1
+
+
+def test_fused_work_list_equals_torch_work_list():
+    """The one-kernel MoE work list (decode) has exactly the values of the torch sort / scan one,
+    for skewed and uniform routings, and moe_experts gives the same bits through either."""
+    need_cuda()
+    from kernels import settings
+    from kernels.triton import moe as M
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, k, E, bm in [(1, 4, 32, 16), (64, 4, 32, 16), (256, 8, 128, 16), (512, 6, 256, 64), (37, 2, 8, 128)]:
+        ids = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k].to(torch.int32)
+        ids[: T // 2] = ids[0].clone()  # half the tokens to the same experts
+        ref = M.make_work_list(ids.reshape(-1).to(torch.int64), E, bm)
+        got = M.work_list(ids.reshape(-1), E, bm, top_k=k)
+        assert torch.equal(got[0], ref[0].to(torch.int32)) and torch.equal(got[1], (ref[0] // k).to(torch.int32))
+        for a, b in zip(got[2:], ref[1:]):
+            assert torch.equal(a, b), (T, k, E, bm)
+    T, H, I, E, k = 48, 256, 128, 16, 4
+    x = randn(T, H, seed=1)
+    wg, wu, wd = randn(E, I, H, seed=2, scale=0.05), randn(E, I, H, seed=3, scale=0.05), randn(E, H, I, seed=4, scale=0.05)
+    ids = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k]
+    wts = torch.rand(T, k, device="cuda", generator=g).to(torch.bfloat16)
+    fused = M.moe_experts(x, wg, wu, wd, ids, wts)
+    settings.set_fused_work_list(False)
+    try:
+        plain = M.moe_experts(x, wg, wu, wd, ids, wts)
+    finally:
+        settings.set_fused_work_list(True)
+    assert torch.equal(fused, plain)
+
+
 def test_paged_kv_write_copies_exactly_and_skips_padding():
     need_cuda()
     from kernels.triton import attn as A

@@ -1,0 +1,77 @@
+"""The GPU launch plans of this project's Triton kernels, run on the CPU in Triton's interpreter
+(``TRITON_INTERPRET=1``, set before Triton is imported, hence a child process): they are only
+plans, the bits come from the GPU tests (tests/gpu), but their indexing, masking and ordering are
+the same code, so a wrong index shows here without a GPU.
+
+* the split-KV paged decode (any number of programs per sequence) == the one-pass kernel,
+  bitwise, with padded requests, and close to a float64 softmax attention;
+* the one-kernel MoE work list == the torch sort / scan work list, value for value.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHILD = r'''
+import torch
+from kernels.triton import attn as A
+from kernels.triton import moe as M
+
+torch.manual_seed(0)
+PAGE, Hq, Hkv, D = 16, 8, 2, 64
+lens = [700, 1, 256, 257, 40, 513]
+nb = sum((L + PAGE - 1) // PAGE for L in lens) + 5
+cache = torch.randn(nb, Hkv, PAGE, 2 * D)
+kc, vc = cache[..., :D], cache[..., D:]
+bt = torch.zeros(len(lens) + 2, max((L + PAGE - 1) // PAGE for L in lens) + 3, dtype=torch.int32)
+perm, i = torch.randperm(nb), 0
+for b, L in enumerate(lens):
+    for j in range((L + PAGE - 1) // PAGE):
+        bt[b, j] = perm[i]
+        i += 1
+nq = [1] * len(lens) + [0, 0]  # two padded requests (no query) at the end
+cu = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32)
+sl = torch.tensor(lens + [0, 0], dtype=torch.int32)
+q = torch.randn(len(lens), Hq, D)
+one = torch.full((len(lens), Hq, D), float("nan"))
+A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=one, splits=1)
+for splits in (2, 3, 4, 7, 64):
+    o = torch.full_like(one, float("nan"))
+    A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=o, splits=splits)
+    assert torch.equal(o, one), splits
+for b, L in enumerate(lens):
+    p = torch.arange(L)
+    kk = kc[bt[b, p // PAGE].long(), :, p % PAGE].double().repeat_interleave(Hq // Hkv, 1)
+    vv = vc[bt[b, p // PAGE].long(), :, p % PAGE].double().repeat_interleave(Hq // Hkv, 1)
+    s = torch.einsum("hd,lhd->hl", q[b].double(), kk) * D ** -0.5
+    ref = torch.einsum("hl,lhd->hd", s.softmax(-1), vv)
+    assert (one[b].double() - ref).abs().max() < 1e-5, b
+assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(256, 4, 16, 132) == 1
+assert A.decode_splits(64, 4, 3, 132) == 3
+
+g = torch.Generator().manual_seed(1)
+for T, k, E, bm in [(1, 4, 32, 16), (7, 2, 8, 16), (64, 4, 32, 16), (300, 8, 128, 64), (33, 6, 64, 16),
+                    (1000, 4, 32, 128), (5, 6, 256, 16), (3, 1, 3, 16)]:
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[: T // 2] = ids[0].clone()  # skewed: half the tokens on the same experts
+    ref = M.make_work_list(ids.reshape(-1).to(torch.int64), E, bm)
+    got = M._work_list_fused(ids.reshape(-1), E, bm, k)
+    assert torch.equal(got[0], ref[0].to(torch.int32)), (T, k, E)
+    assert torch.equal(got[1], (ref[0] // k).to(torch.int32)), (T, k, E)
+    for a, b in zip(got[2:], ref[1:]):
+        assert torch.equal(a, b), (T, k, E, bm)
+print("interpreted kernels OK")
+'''
+
+
+def test_launch_plans_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "interpreted kernels OK" in r.stdout
