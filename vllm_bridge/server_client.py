@@ -19,8 +19,10 @@ the RolloutEngine surface the training loop uses, over HTTP:
   ``update_weights(named_tensors, version)`` writes the buckets with the filesystem transport
   (vllm_bridge.transport.FilesystemTransport, RUN_DIR/rollout/weights) and applies them.
   ``paused()`` wraps /pause?mode=keep ... /resume (in-flight requests stay, as in streaming.py).
-* ``engine_checksums`` / ``verify_sync``: the worker's checksums (/collective_rpc rz_checksums)
-  compared by the one verification function (transport.check_weights), on every server.
+* ``verify_sync`` / ``update_weights(verify=True)``: every parameter of every worker of every server
+  against the learner's bytes (transport.SyncCheck over /collective_rpc rz_verify_layout and
+  rz_shard_checksums; only checksums cross the network). ``engine_checksums``: the readable
+  parameters' checksums (rz_checksums).
 
 Per-token weight versions are exact over the server: vLLM 0.32's engine core labels every step's
 output with its weight version and the generate route returns the spans; a swap pauses the
@@ -53,9 +55,8 @@ from typing import Any
 
 from vllm_bridge.engine import RolloutEngineError
 from vllm_bridge.samples import Sample
-from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, FilesystemTransport, WeightUpdate, check_weights,
-                                   iter_buckets, readable, stage_and_commit)
-from vllm_bridge.worker_ext import is_readable_name
+from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, FilesystemTransport, SyncCheck, WeightUpdate, iter_buckets,
+                                   stage_and_commit)
 
 SERVERS_DIR = "rollout/servers"  # RUN_DIR/rollout/servers/<node>.json, written by each server when ready
 KEY_FILE = "rollout.key"  # RUN_DIR/rollout.key, mode 0600 (the batch script writes it)
@@ -378,52 +379,46 @@ class RolloutClient:
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int, *, verify: bool = False,
                        _reload: bool = True) -> dict:
         """Write the tensors as safetensors buckets (filesystem transport, WEIGHTS_DIR of the run
-        directory), apply them on every server, then delete the files."""
+        directory), apply them on every server, then delete the files. ``verify``: every parameter
+        of every worker of every server against the bytes written (transport.SyncCheck)."""
         if self.weights_dir is None:
             raise RolloutEngineError("RolloutClient.update_weights needs weights_dir (a directory the servers read)")
         t0 = time.perf_counter()
-        kept: dict = {}
-
-        def stream():
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-                if verify:
-                    kept.update(readable(bucket.items()))
-                yield bucket
-
+        check = SyncCheck(SyncCheck.layout_of(self)) if verify else None
+        buckets = iter_buckets(named_tensors, self.bucket_bytes)
         transport = FilesystemTransport(self.weights_dir)
-        update: WeightUpdate = transport.push(stream(), int(version))
+        update: WeightUpdate = transport.push(check.stream(buckets) if check else buckets, int(version))
         try:
             info = self.apply_weights(update.paths, update.version, reload=_reload)
         finally:
             transport.release(update)
         self.last_sync = {**update.info, **info, "total_s": time.perf_counter() - t0}
-        if verify:
-            self.verify_sync(kept.items())
+        if check is not None:
+            self.last_sync["verify"] = check.verify(self, int(version))
             self.last_sync["total_s"] = time.perf_counter() - t0
         return dict(self.last_sync)
 
+    def worker_rpcs(self) -> list[tuple[str, Any]]:
+        """(label, rpc) per server: what transport.SyncCheck verifies (every worker of every server);
+        each call polls the server's /health while it waits, as every other call does."""
+        def bound(s: _Http):
+            return lambda method, *args: self._wait([self._submit(s, s.rpc, method, *args)], method)[0]
+
+        return [(f"rollout server on node {s.node}", bound(s)) for s in self._servers]
+
     def engine_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
-        """The first server's checksums, every worker's merged (a pipeline stage reports only its
-        layers; verify_sync checks every server and worker)."""
+        """The first server's readable-parameter checksums, every worker's merged (a pipeline stage
+        reports only its layers)."""
         merged: dict[str, dict] = {}
         for part in self._servers[0].rpc("rz_checksums", names):
             for n, e in part.items():
                 merged.setdefault(n, e)
         return merged
 
-    def verify_sync(self, named_tensors: Iterable[tuple[str, Any]], *, rtol: float = 1e-6, min_checked: int = 1) -> dict:
-        """transport.check_weights against every server's engine (only checksums cross the network)."""
-        named = [(n, t) for n, t in named_tensors if is_readable_name(n)]
-        names = sorted({n for n, _ in named})
-        result: dict = {}
-        for s, workers in zip(self._servers, self._all(lambda s: s.rpc("rz_checksums", names), "engine_checksums")):
-            for w, got in enumerate(workers):  # every worker (tensor-parallel ranks hold their own copy)
-                try:
-                    r = check_weights(named, got, self._version, rtol=rtol, min_checked=min_checked if w == 0 else 0)
-                except Exception as e:
-                    raise type(e)(f"rollout server on node {s.node} (worker {w}): {e}") from None
-                result = result or r
-        return result
+    def verify_sync(self, named_tensors: Iterable[tuple[str, Any]], **_: Any) -> dict:
+        """Every parameter of every worker of every server against ``named_tensors`` (the full
+        version: transport.SyncCheck; only checksums cross the network)."""
+        return SyncCheck(SyncCheck.layout_of(self)).named(named_tensors).verify(self, self._version)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:

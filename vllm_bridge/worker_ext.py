@@ -49,10 +49,45 @@ def tensor_bits(t: torch.Tensor) -> int:
     """An exact checksum of the tensor's bytes: sum of its elements' bit patterns (as integers)
     times odd position weights, modulo 2^64. One changed element changes it by d * w with d != 0 and
     w odd, which is never 0 mod 2^64: any single flipped byte (or bit) is caught, always (the float
-    sums above miss flips in low mantissa bits: they change a sum of ~1e3 values by ~1e-7)."""
-    x = bit_patterns(t)
-    w = bits_weights(torch.arange(x.numel(), dtype=torch.int64, device=x.device))
-    return int((x * w).sum())  # int64 arithmetic wraps: the sum is taken mod 2^64
+    sums above miss flips in low mantissa bits: they change a sum of ~1e3 values by ~1e-7).
+
+    Computed where the tensor lives (CUDA tensors on their device), reading each element once:
+    the flat tensor in chunks of the weights' period (BITS_PERIOD elements), each chunk's patterns
+    widened to int64 in one reused buffer, multiplied by the cached weight table and summed. Integer
+    sums wrap mod 2^64 and do not depend on the order of the additions, so the result is the same on
+    every device, thread count and chunking (``bit_patterns`` x ``bits_weights`` summed at once, as
+    vllm_bridge.reshard.part_bits does for a part, gives the same number). ~0.27 s per GB on one CPU
+    core (README "Reliability")."""
+    x = t.detach().reshape(-1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    x = x.view(_INT_VIEW[x.element_size()])
+    n = x.numel()
+    if n == 0:
+        return 0
+    w = _weight_table(x.device)
+    buf = torch.empty(min(n, BITS_PERIOD), dtype=torch.int64, device=x.device)
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for s in range(0, n, BITS_PERIOD):
+        m = min(BITS_PERIOD, n - s)
+        b = buf[:m]
+        b.copy_(x[s:s + m])  # widen (sign-extends int16 / int32, as bit_patterns' .to(int64))
+        b.mul_(w[:m])  # int64 products wrap mod 2^64
+        total += b.sum()
+    return int(total)  # the one host synchronisation
+
+
+BITS_PERIOD = 1000003  # bits_weights repeats with this period (a prime)
+_WEIGHT_TABLES: dict = {}
+
+
+def _weight_table(device: torch.device) -> torch.Tensor:
+    """bits_weights of flat positions 0 .. BITS_PERIOD - 1 on ``device`` (8 MB, made once)."""
+    key = str(device)
+    w = _WEIGHT_TABLES.get(key)
+    if w is None:
+        w = _WEIGHT_TABLES[key] = bits_weights(torch.arange(BITS_PERIOD, dtype=torch.int64, device=device))
+    return w
 
 
 def bit_patterns(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +99,13 @@ def bit_patterns(t: torch.Tensor) -> torch.Tensor:
 def bits_weights(flat_index: torch.Tensor) -> torch.Tensor:
     """tensor_bits' odd position weights of flat positions (int64); the sum over parts of a tensor
     of bits x weight is the tensor's (vllm_bridge.reshard.part_bits)."""
-    return (flat_index % 1000003) * 2 + 1
+    return (flat_index % BITS_PERIOD) * 2 + 1
+
+
+def bits_entry(p: torch.Tensor) -> dict:
+    """What an engine reports for one parameter in the every-parameter verification
+    (rz_shard_checksums; compared by vllm_bridge.reshard.check_resharded)."""
+    return {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "bits": tensor_bits(p)}
 
 
 def checksum_entry(p: torch.Tensor) -> dict:
@@ -151,10 +192,44 @@ class WeightSyncExtension:
             out[n] = checksum_entry(p)
         return out
 
-    def rz_shard_checksums(self) -> dict:
-        """{"rank", "sums": checksum_entry of every parameter} (a resharded sync checks them all)."""
+    def rz_shard_checksums(self, names: list[str] | None = None) -> dict:
+        """{"rank", "sums": bits_entry of every parameter} (names: only those): the read-back of the
+        every-parameter verification (vllm_bridge.transport.SyncCheck, reshard.check_resharded),
+        computed where the parameters live (on the device on GPU)."""
         model = self.model_runner.get_model()
-        return {"rank": int(self.rank), "sums": {n: checksum_entry(p) for n, p in model.named_parameters()}}
+        params = dict(model.named_parameters())
+        wanted = params if names is None else [n for n in names if n in params]
+        return {"rank": int(self.rank), "sums": {n: bits_entry(params[n]) for n in wanted}}
+
+    def rz_verify_layout(self) -> dict:
+        """What the every-parameter verification compares on this worker (transport.SyncCheck):
+        an aligned class's rz_shard_layout (every parameter, with the box of the Hugging Face tensor
+        it holds); a stock vLLM class (no rz_shards) only the parameters that keep their checkpoint
+        name, shape and bytes (READABLE_SUFFIXES), and under "unverified" {name: bytes} of the rest
+        (packed q/k/v and gate/up, stacked experts, weights moved into oneDNN / CPU MoE packs on CPU:
+        their bytes are not the checkpoint's)."""
+        model = self.model_runner.get_model()
+        if hasattr(model, "rz_shards"):
+            return {**self.rz_shard_layout(), "unverified": {}}
+        params, unverified = {}, {}
+        for n, p in model.named_parameters():
+            if is_readable_name(n):
+                params[n] = {"shape": list(p.shape), "box": [[0, s] for s in p.shape],
+                             "dtype": str(p.dtype).replace("torch.", "")}
+            else:
+                unverified[n] = int(p.numel() * p.element_size())
+        return {"rank": int(self.rank), "params": params, "unverified": unverified}
+
+    def rz_flip_byte(self, name: str, index: int, xor: int) -> bool:
+        """XOR one byte of a parameter in place (the flip tests corrupt a synced engine this way;
+        the same call again undoes it). False when this worker does not hold ``name``."""
+        p = dict(self.model_runner.get_model().named_parameters()).get(name)
+        if p is None:
+            return False
+        with torch.no_grad():
+            raw = p.data.view(-1).view(torch.uint8)
+            raw[int(index)] ^= int(xor)
+        return True
 
     def rz_param_names(self) -> list[str]:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]

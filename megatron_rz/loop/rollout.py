@@ -328,31 +328,26 @@ class InlineRollout:
     def push_weights(self, buckets, version: int, *, verify: bool = False) -> dict:
         """One version into the engine: in-process (safetensors bytes over collective_rpc) for a local
         engine; for a remote one bucket files on the run directory that its workers read (deleted
-        once applied). ``verify``: the one checksum verification afterwards (every server)."""
-        from vllm_bridge.transport import FilesystemTransport, InProcessTransport, readable
-
-        check: dict = {}
-
-        def stream():
-            for b in buckets:
-                if verify:
-                    check.update(readable(b.items()))
-                yield b
+        once applied). ``verify``: every parameter of every worker (of every server) against the
+        bytes of the learner's tensors (vllm_bridge.transport.SyncCheck), computed as they stream past."""
+        from vllm_bridge.transport import FilesystemTransport, InProcessTransport
 
         if self.side.restartable:  # a local engine
-            info = InProcessTransport(self.engine).push(stream(), version).info
+            info = InProcessTransport(self.engine).push(stream, version).info
         else:
             fs = FilesystemTransport(self.run_dir / "rollout" / "weights")
-            update = fs.push(stream(), version)
+            update = fs.push(stream, version)
             try:
                 info = fs.apply(update, self.engine)
             finally:
                 fs.release(update)
-        if verify:
-            self.engine.verify_sync(check.items())
+        if check is not None:
+            info["verify"] = check.verify(self.engine, version)
         return info
 
     def reshard_target(self) -> tuple:
+        check = self.sync_check() if verify else None
+        stream = check.stream(buckets) if check is not None else buckets
         """(engine layout, directory) of a resharded sync (rollout.weight_sync=reshard): the layout
         the engine's workers report (vllm_bridge.reshard.engine_layout, asked once per engine) and
         the run-directory folder every learner rank writes its parts to."""
@@ -366,6 +361,21 @@ class InlineRollout:
         """Load a committed resharded version (Learner.write_resharded's result on rank 0) into the
         local engine; ``verify``: every parameter of every worker against the bytes the learner
         ranks sent (vllm_bridge.reshard.check_resharded). The files are deleted afterwards."""
+    def sync_check(self):
+        """A fresh SyncCheck for this engine (its workers' layout asked once per engine)."""
+        from vllm_bridge.transport import SyncCheck
+
+        if getattr(self, "_verify_of", None) is not self.engine:
+            self._verify_layout, self._verify_of = SyncCheck.layout_of(self.engine), self.engine
+            check = SyncCheck(self._verify_layout)
+            if check.unverified:
+                print(f"[rz] weight sync verification: {len(check.unverified)} engine parameters "
+                      f"({sum(check.unverified.values()) / 1e6:.1f} MB) are held in stock vLLM's own layouts "
+                      f"(mode=fast) and not compared; the {sum(len(x) for x in check.layout)} in checkpoint "
+                      "layout are", flush=True)
+            return check
+        return SyncCheck(self._verify_layout)
+
         from vllm_bridge.reshard import ShardedFilesystemTransport, check_resharded, worker_checksums
 
         update = written["update"]

@@ -52,7 +52,7 @@ import traceback
 from pathlib import Path
 
 from megatron_rz.recipe import Recipe
-from vllm_bridge.transport import FilesystemTransport, WeightUpdate
+from vllm_bridge.transport import FilesystemTransport, SyncCheck, WeightUpdate
 
 WEIGHTS_DIR = "async_weights"
 POLL_S = 0.5
@@ -188,7 +188,10 @@ class _ProcessLoop:
         self.gen.swap_weights(v, update=update)
         r = self.recipe.rollout
         if r.verify_sync and (v % r.verify_every == 0 or v == self.p.v0 + self.p.total):
-            self.side.engine.verify_sync(update.named_tensors())
+            # every parameter of every worker against the version's files (transport.SyncCheck)
+            if getattr(self, "_verify_of", None) is not self.side.engine:
+                self._verify_layout, self._verify_of = SyncCheck.layout_of(self.side.engine), self.side.engine
+            SyncCheck(self._verify_layout).named(update.named_tensors()).verify(self.side.engine, v)
         self._drop(paths)
         self.p.swap_s += time.perf_counter() - t0
 

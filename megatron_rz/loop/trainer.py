@@ -173,10 +173,11 @@ def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
             return written["sent_bytes"]
 
 
-def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: str = "full"):
+def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: str = "full", verify: bool = True):
     """Collective: batch k (of update ``step`` + 1) from the rollout on rank 0, broadcast, after the
-    consumer-side lag-bound check. A dead local engine is restarted (the current weights re-pushed)
-    and the batch generated again with the same prompts and seeds."""
+    consumer-side lag-bound check. A dead local engine is restarted (the current weights re-pushed,
+    ``verify``: and verified like every other sync) and the batch generated again with the same
+    prompts and seeds."""
     from vllm_bridge.engine import RolloutEngineError
 
     while True:
@@ -199,7 +200,7 @@ def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: 
                 error = e
         if _agree(status, error, f"batch {k} (update {step + 1})") == "restart":
             if learner.version > 0:  # the new engine holds the base model's weights (version 0)
-                push_weights(learner, rollout, step, verify=False, weight_sync=weight_sync)
+                push_weights(learner, rollout, step, verify=verify, weight_sync=weight_sync)
             continue
         return broadcast(payload)
 
@@ -217,7 +218,8 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
         if rank0:
             rollout = InlineRollout(recipe, base, run_dir, v0, start_step, engine=connect_engine(recipe, run_dir))
         if resumed:
-            push_weights(learner, rollout, start_step, verify=False, weight_sync=recipe.rollout.weight_sync)
+            push_weights(learner, rollout, start_step, verify=recipe.rollout.verify_sync,
+                         weight_sync=recipe.rollout.weight_sync)
         return rollout
     init = None
     if resumed:  # the rollout starts from the learner's weights: that version on disk first
@@ -317,7 +319,8 @@ def train(recipe: Recipe) -> dict:
         for step in bar:
             k = step - start_step
             t0 = time.perf_counter()
-            batch, meta = fetch_batch(learner, rollout, k, step, max_lag, recipe.rollout.weight_sync)
+            batch, meta = fetch_batch(learner, rollout, k, step, max_lag, recipe.rollout.weight_sync,
+                                      recipe.rollout.verify_sync)
             t1 = time.perf_counter()
 
             version = learner.version
