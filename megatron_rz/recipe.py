@@ -353,12 +353,78 @@ class AlgoConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: str = "arithmetic"  # built-in name, or "package.module:factory" for a user task
+    """What the policy is trained and evaluated on (megatron_rz/rl/tasks.py and beside it).
+
+    name: the built-in toy tasks ``arithmetic`` / ``chain_sum`` (tiny models), ``dataset`` (local
+    jsonl / json / parquet / csv / arrow files through `datasets`: megatron_rz/rl/dataset_task.py),
+    ``reasoning_gym`` (a reasoning-gym generator, ``kwargs: {dataset: NAME, ...}``:
+    megatron_rz/rl/gym_task.py), or "package.module:factory" for a user task."""
+
+    name: str = "arithmetic"
     digits: Pos = 2
     ops: Annotated[list[Literal["+", "-", "*"]], Field(min_length=1)] = ["+"]
+    # Held-out prompts: the toy and reasoning-gym tasks draw this many; a dataset task without
+    # task.eval_sets holds this many rows of task.path out of training (after the seeded shuffle).
     eval_prompts: Pos = 200
-    seed: int = 1234
+    seed: int = 1234  # the held-out split and the dataset's shuffle per epoch
     kwargs: dict[str, Any] = {}
+    # ---- dataset task (name: dataset)
+    path: str | None = None  # the training file (.jsonl, .json, .parquet, .csv, .arrow)
+    # Named held-out files (same columns), each evaluated and logged as eval/<name>/...; empty: one
+    # set "heldout" split off task.path.
+    eval_sets: dict[str, str] = {}
+    prompt_key: str = "prompt"  # column holding the question (a string, or a list of chat messages)
+    answer_key: str = "answer"  # column holding the reference answer
+    # The user message: a Python format string over the row's columns ({prompt} is the prompt column),
+    # e.g. "{prompt}\nPut your final answer within \\boxed{{}}."
+    prompt_template: str = "{prompt}"
+    system_prompt: str | None = None
+    # "auto": the tokenizer's own chat template (apply_chat_template) when it has one, else the
+    # plain prompt text; "none": always the plain text; anything else: a Jinja chat template used
+    # instead of the tokenizer's (e.g. for a tokenizer that has none).
+    chat_template: str = "auto"
+    # Passes over the training rows (each a fresh seeded shuffle). Set: it decides the run's length,
+    # schedule.steps = ceil(epochs * rows / rollout.prompts_per_step) (rz train prints it and replaces
+    # any schedule.steps); null: the rows cycle for schedule.steps updates.
+    epochs: PosF | None = None
+    # ---- rewards (dataset / reasoning_gym)
+    # math_verify: the response's final or \\boxed{} answer equivalent to the reference
+    # (math-verify's parse + verify); exact: the stripped response equals the stripped answer;
+    # "package.module:fn": fn(response, answer, row) -> float. null: the task's own (reasoning_gym:
+    # its scorer; dataset: math_verify).
+    reward: str | None = None
+    # A reward call that raises or runs longer than this scores 0 and is counted (reward_errors,
+    # reward_timeouts in metrics.jsonl); the run goes on. Rewards run in a worker process.
+    reward_timeout_s: PosF = 10.0
+    # ---- evaluation (every schedule.eval_every updates, before and after the run)
+    # k samples per held-out prompt at the rollout's sampling settings: avg@k (mean reward), pass@1
+    # (share of correct samples, reward >= 1) and pass@k; 0: greedy accuracy only.
+    eval_samples: NonNeg = 0
+    eval_greedy: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        if self.name == "dataset" and not self.path:
+            raise ValueError("task.name=dataset needs task.path: the training file (.jsonl, .json, .parquet, "
+                             ".csv or .arrow), e.g. task.path=data/train.jsonl")
+        if self.name != "dataset":
+            for key in ("path", "eval_sets"):
+                if getattr(self, key):
+                    raise ValueError(f"task.{key} is for task.name=dataset (task.name={self.name!r}); drop it "
+                                     "or set task.name=dataset")
+        if self.name == "reasoning_gym" and not isinstance(self.kwargs.get("dataset"), str):
+            raise ValueError("task.name=reasoning_gym needs task.kwargs.dataset: the reasoning-gym dataset name, "
+                             "e.g. task.kwargs.dataset=basic_arithmetic")
+        if self.reward is not None and self.reward not in ("math_verify", "exact") and ":" not in self.reward:
+            raise ValueError(f"task.reward={self.reward!r}: use math_verify, exact or a function "
+                             "'package.module:fn' (fn(response, answer, row) -> float)")
+        if not self.eval_greedy and not self.eval_samples:
+            raise ValueError("task.eval_greedy=false with task.eval_samples=0 leaves nothing to evaluate; "
+                             "set task.eval_samples=4 or task.eval_greedy=true")
+        for name in self.eval_sets:
+            if not name or not set(name) <= _NAME_CHARS:
+                raise ValueError(f"task.eval_sets name {name!r}: use letters, digits and _ . - (it names metrics)")
+        return self
 
 
 class WarmStartConfig(_Strict):
@@ -525,6 +591,11 @@ class Recipe(_Strict):
                               f"model.arch={m.arch} (needs qwen3_moe, qwen2 or deepseek_v3)")):
                 if bad:
                     raise ValueError(f"rollout.weight_sync=reshard does not support {why}; use rollout.weight_sync=full")
+        if m.pretrained and "task" not in self.model_fields_set:
+            raise ValueError(
+                f"model.pretrained={m.pretrained!r} with no task: section would train on the built-in toy task "
+                f"({self.task.name}); name the task, e.g. task: {{name: dataset, path: /shared/data/math/train.jsonl, "
+                "reward: math_verify}")
         if self.warm_start.tokenizer_vocab > m.vocab_size:
             raise ValueError(
                 f"warm_start.tokenizer_vocab={self.warm_start.tokenizer_vocab} exceeds "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rz.launch.planner import Plan, format_plan, make_plan
+from megatron_rz.rl.tasks import describe_task
 from megatron_rz.recipe import Recipe, RecipeError, dump_recipe
 from megatron_rz.launch.runtime import child_env
 
@@ -172,6 +173,7 @@ def render(recipe: Recipe, *, workdir: Path | None = None, run_dir: str | None =
         f"tensor_parallel_size={recipe.rollout.tensor_parallel_size}"
         + (f" x pipeline_parallel_size={recipe.rollout.pipeline_parallel_size}"
            if recipe.rollout.pipeline_parallel_size > 1 else ""),
+        task_desc=describe_task(recipe.task),
         learner_sbatch=_group_sbatch(recipe, "learner"),
         rollout_sbatch=_group_sbatch(recipe, "rollout"),
         workdir=workdir,

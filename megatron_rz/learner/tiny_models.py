@@ -18,7 +18,7 @@ import torch
 
 from megatron_rz.fingerprint import base_model_hash
 from megatron_rz.recipe import ModelConfig, Recipe, RecipeError
-from megatron_rz.rl.tasks import Task, make_task
+from megatron_rz.rl.tasks import Task, make_task, prompt_text
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -274,11 +274,12 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
     return model, tok
 
 
-def _sft_batch(tok, problems, answers=None):
-    """Right-padded prompt+answer+eos sequences with a loss mask on the answer and eos."""
+def _sft_batch(tok, problems, answers=None, task=None):
+    """Right-padded prompt+answer+eos sequences with a loss mask on the answer and eos (prompts as
+    the rollout tokenizes them: ``task``'s rendering, e.g. a chat template, where it has one)."""
     seqs, masks = [], []
     for i, p in enumerate(problems):
-        prompt = tok.encode(p.prompt, add_special_tokens=False)
+        prompt = tok.encode(p.prompt if task is None else prompt_text(task, tok, p), add_special_tokens=False)
         answer = tok.encode(answers[i] if answers else p.answer, add_special_tokens=False) + [tok.eos_token_id]
         seqs.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
@@ -323,7 +324,7 @@ def warm_start(recipe: Recipe, out_dir: Path, seed: int = 0, progress: bool = Tr
                 wrong = distractor(p)
                 if wrong is not None and rng.random() < ws.distractor_rate:
                     answers[i] = wrong
-        ids, mask = (t.to(device) for t in _sft_batch(tok, problems, answers))
+        ids, mask = (t.to(device) for t in _sft_batch(tok, problems, answers, task))
         with autocast:
             logits = model(input_ids=ids).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")

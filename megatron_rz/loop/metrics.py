@@ -146,6 +146,49 @@ def plot_run(run_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         out.append(path)
+    out += plot_eval(run_dir, rows)
+    return out
+
+
+def eval_series(rows: list[dict]) -> dict[str, list[str]]:
+    """Eval set name -> its metric names (greedy, avg@k, pass@1, pass@k) found in metrics rows."""
+    sets: dict[str, list[str]] = {}
+    for r in rows:
+        for key in r:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval" and isinstance(r[key], (int, float)):
+                names = sets.setdefault(parts[1], [])
+                if parts[2] not in names:
+                    names.append(parts[2])
+    return sets
+
+
+def plot_eval(run_dir: Path, rows: list[dict]) -> list[Path]:
+    """One figure per eval set (plots/eval_<set>.png): greedy accuracy, avg@k, pass@1 and pass@k
+    at every evaluation (megatron_rz.rl.evaluation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    for name, metrics in eval_series(rows).items():
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for m in metrics:
+            pts = [(r["step"], r[f"eval/{name}/{m}"]) for r in rows if isinstance(r.get(f"eval/{name}/{m}"), (int, float))]
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", ms=5, label=m)
+        ax.set_xlabel("update")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"held-out set {name}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(run_dir) / "plots" / f"eval_{name}.png"
+        path.parent.mkdir(exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
     return out
 
 
@@ -226,6 +269,13 @@ def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eva
         "time_per_step": {k: v / max(1, end - start_step) for k, v in times.items()},
         "run_dir": str(run_dir),
     }
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    summary["reward_errors"] = sum(r.get("reward_errors", 0) + r.get("eval/reward_errors", 0) for r in rows)
+    summary["reward_timeouts"] = sum(r.get("reward_timeouts", 0) + r.get("eval/reward_timeouts", 0) for r in rows)
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if evals:  # the first and the last evaluation's per-set figures (greedy, avg@k, pass@1, pass@k)
+        for tag, r in (("before", evals[0]), ("after", evals[-1])):
+            summary[f"eval_{tag}"] = {k[5:]: v for k, v in r.items() if k.startswith("eval/") and k.count("/") == 2}
     if recipe.schedule.max_lag:
         summary["lag_mean"] = mean("lag_mean", tr)
         summary["lag_max"] = max((r.get("lag_max", 0) for r in tr), default=0)

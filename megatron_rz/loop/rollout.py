@@ -32,7 +32,8 @@ import torch
 from megatron_rz.rl.batch_filters import DynamicSamplingError, dynamic_sampling_keep, overlong_shaping
 from megatron_rz.recipe import Recipe
 from megatron_rz.loop.resume import step_rng
-from megatron_rz.rl.tasks import Problem, make_task
+from megatron_rz.rl.evaluation import evaluate as evaluate_task
+from megatron_rz.rl.tasks import Problem, make_task, prompt_text, score, step_problems
 
 REFILL_SEED_STRIDE = 7919  # the r-th refill of a batch: seed offset r * this
 MAX_REFILLS_PER_GROUP = 8
@@ -45,12 +46,15 @@ def rollout_seed(seed: int, step: int, offset: int = 0) -> int:
 
 
 def shape_rewards(samples, problem: Problem, task, decode, recipe: Recipe) -> None:
-    """Task reward of every sample of one group (kept in s.info['task_reward']), then the
-    algorithm's reward shaping (DAPO overlong penalty) into s.reward."""
+    """Task reward of every sample of one group (kept in s.info['task_reward']; a reward call that
+    raised or timed out scores 0 and is marked s.info['reward_status']), then the algorithm's
+    reward shaping (DAPO overlong penalty) into s.reward."""
     algo, r = recipe.algo, recipe.rollout
     for s in samples:
-        s.reward = task.reward(problem, decode(s.response_ids))
+        s.reward, status = score(task, problem, decode(s.response_ids))
         s.info["task_reward"] = s.reward
+        if status:
+            s.info["reward_status"] = status
     if algo.overlong_buffer > 0:
         shaped = overlong_shaping(torch.tensor([s.reward for s in samples]),
                                   torch.tensor([len(s.response_ids) for s in samples]),
@@ -97,7 +101,7 @@ class RolloutSide:
         self.engine = RolloutEngine(model_dir, **kwargs)
 
     def encode(self, problems: list[Problem]) -> list[list[int]]:
-        return [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
+        return [self.tok.encode(prompt_text(self.task, self.tok, p), add_special_tokens=False) for p in problems]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -112,13 +116,16 @@ class RolloutSide:
             shape_rewards([s for s in samples if s.group == i], p, self.task, self.decode, self.recipe)
         return samples
 
-    def evaluate(self) -> float:
-        """Greedy exact-match accuracy on the task's held-out prompts."""
-        problems = self.task.eval_set()
-        samples = self.engine.generate(
-            self.encode(problems), n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.recipe.rollout.max_new_tokens
-        )
-        return sum(self.task.reward(problems[s.group], self.decode(s.response_ids)) for s in samples) / len(problems)
+    def evaluate(self) -> dict:
+        """The held-out evaluation's metrics (megatron_rz.rl.evaluation): ``eval_reward`` (the first
+        set's greedy accuracy) and eval/<set>/greedy, avg@k, pass@1, pass@k for every eval set."""
+        return evaluate_task(self.engine, self.task, self.encode, self.decode, self.recipe)
+
+    def close_task(self) -> None:
+        """Stop the task's reward worker, if it has one."""
+        close = getattr(self.task, "close", None)
+        if close is not None:
+            close()
 
 
 def connect_engine(recipe: Recipe, run_dir: Path):
@@ -202,8 +209,9 @@ class Producer:
     def submit_batch(self, k: int) -> None:
         step = self.start_step + k
         rng = step_rng(self.recipe.schedule.seed, step)  # the same prompts whatever the schedule
-        problems = self.side.task.sample(rng, self.recipe.rollout.prompts_per_step)
-        self.batches[k] = {"problems": [], "groups": [], "dropped": 0, "refills": 0, "rng": rng,
+        problems = step_problems(self.side.task, rng, step, self.recipe.rollout.prompts_per_step)
+        self.batches[k] = {"problems": [], "groups": [], "dropped": 0, "refills": 0, "rng": rng, "reward_errors": 0,
+                           "reward_timeouts": 0,
                            "t_submit": time.perf_counter(), "submit_version": self.gen.version}
         G = self.recipe.rollout.samples_per_prompt
         # one submit per prompt: a group's index is its problem's index in the batch's list
@@ -226,6 +234,10 @@ class Producer:
         k, idx = fg.tag
         b = self.batches[k]
         shape_rewards(fg.samples, b["problems"][idx], self.side.task, self.side.decode, self.recipe)
+        for s in fg.samples:  # counted for every group, dropped ones too
+            status = s.info.get("reward_status")
+            if status:
+                b[f"reward_{status}s"] += 1
         rewards = torch.tensor([s.reward for s in fg.samples])
         if self.recipe.algo.dynamic_sampling and not dynamic_sampling_keep(rewards, torch.zeros(len(rewards))).any():
             b["dropped"] += 1
@@ -263,6 +275,8 @@ class Producer:
                 "rollout_blocked_s": self.blocked_s,
                 "rollout_swap_s": self.swap_s,
                 "dynamic_sampling_dropped": b["dropped"],
+                "reward_errors": b["reward_errors"],  # reward calls that raised (scored 0)
+                "reward_timeouts": b["reward_timeouts"],  # ... or ran past task.reward_timeout_s
             }
             self.blocked_s = self.swap_s = 0.0
             out.append((k, samples, meta))
@@ -304,10 +318,10 @@ class InlineRollout:
     def start(self) -> None:
         return None
 
-    def eval_before(self) -> float:
+    def eval_before(self) -> dict:
         return self.side.evaluate()
 
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> dict | None:
         return self.side.evaluate()
 
     def batch(self, k: int) -> tuple[list, dict]:
@@ -332,6 +346,8 @@ class InlineRollout:
         bytes of the learner's tensors (vllm_bridge.transport.SyncCheck), computed as they stream past."""
         from vllm_bridge.transport import FilesystemTransport, InProcessTransport
 
+        check = self.sync_check() if verify else None
+        stream = check.stream(buckets) if check is not None else buckets
         if self.side.restartable:  # a local engine
             info = InProcessTransport(self.engine).push(stream, version).info
         else:
@@ -345,22 +361,6 @@ class InlineRollout:
             info["verify"] = check.verify(self.engine, version)
         return info
 
-    def reshard_target(self) -> tuple:
-        check = self.sync_check() if verify else None
-        stream = check.stream(buckets) if check is not None else buckets
-        """(engine layout, directory) of a resharded sync (rollout.weight_sync=reshard): the layout
-        the engine's workers report (vllm_bridge.reshard.engine_layout, asked once per engine) and
-        the run-directory folder every learner rank writes its parts to."""
-        from vllm_bridge.reshard import engine_layout
-
-        if getattr(self, "_layout_of", None) is not self.engine:
-            self._layout, self._layout_of = engine_layout(self.engine), self.engine
-        return self._layout, str(self.run_dir / "rollout" / "weights-resharded")
-
-    def apply_resharded(self, written: dict, *, verify: bool = False) -> dict:
-        """Load a committed resharded version (Learner.write_resharded's result on rank 0) into the
-        local engine; ``verify``: every parameter of every worker against the bytes the learner
-        ranks sent (vllm_bridge.reshard.check_resharded). The files are deleted afterwards."""
     def sync_check(self):
         """A fresh SyncCheck for this engine (its workers' layout asked once per engine)."""
         from vllm_bridge.transport import SyncCheck
@@ -376,6 +376,20 @@ class InlineRollout:
             return check
         return SyncCheck(self._verify_layout)
 
+    def reshard_target(self) -> tuple:
+        """(engine layout, directory) of a resharded sync (rollout.weight_sync=reshard): the layout
+        the engine's workers report (vllm_bridge.reshard.engine_layout, asked once per engine) and
+        the run-directory folder every learner rank writes its parts to."""
+        from vllm_bridge.reshard import engine_layout
+
+        if getattr(self, "_layout_of", None) is not self.engine:
+            self._layout, self._layout_of = engine_layout(self.engine), self.engine
+        return self._layout, str(self.run_dir / "rollout" / "weights-resharded")
+
+    def apply_resharded(self, written: dict, *, verify: bool = False) -> dict:
+        """Load a committed resharded version (Learner.write_resharded's result on rank 0) into the
+        local engine; ``verify``: every parameter of every worker against the bytes the learner
+        ranks sent (vllm_bridge.reshard.check_resharded). The files are deleted afterwards."""
         from vllm_bridge.reshard import ShardedFilesystemTransport, check_resharded, worker_checksums
 
         update = written["update"]
@@ -403,7 +417,7 @@ class InlineRollout:
         self._new_producer()
         return True
 
-    def finish(self) -> float:
+    def finish(self) -> dict:
         value = self.side.evaluate()
         self.close()
         return value
@@ -411,4 +425,6 @@ class InlineRollout:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.side.engine.close()
+        with contextlib.suppress(Exception):
+            self.side.close_task()
 

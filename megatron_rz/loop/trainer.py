@@ -301,10 +301,10 @@ def train(recipe: Recipe) -> dict:
             logger = MetricsLogger(recipe, run_dir, resume=bool(start_step))
             eval_before = logged_eval_before(earlier)
             if eval_before is None or max_lag > 0:  # a rollout process always sends its first evaluation
-                fresh = rollout.eval_before()
+                fresh = rollout.eval_before()  # the evaluation's metrics (megatron_rz.rl.evaluation)
                 if eval_before is None:
-                    eval_before = fresh
-                    logger.log(start_step, {"eval_reward": eval_before})
+                    eval_before = fresh["eval_reward"]
+                    logger.log(start_step, fresh)
         guard = install_nonfinite_guard(learner)  # NaN/inf loss or gradients: the update is skipped, counted
         loss_fn = guard.wrap_loss(make_loss_fn(recipe.algo))
         d3_ratio = RunningRatio()
@@ -370,7 +370,7 @@ def train(recipe: Recipe) -> dict:
                 if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 and step + 1 < steps:
                     value = rollout.evaluate()
                     if value is not None:
-                        row["eval_reward"] = value
+                        row.update(value)
                 logger.log(step + 1, row)
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
                                 dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
@@ -390,9 +390,9 @@ def train(recipe: Recipe) -> dict:
             _drain(buckets)
             return {}
         export_hf_checkpoint(buckets, base, run_dir / "hf_final")
-        eval_after = rollout.finish()
-        logger.log(end, {"eval_reward": eval_after})
-        summary = run_summary(recipe, run_dir, start_step, eval_before, eval_after, times, end_step=end,
+        final_eval = rollout.finish()
+        logger.log(end, final_eval)
+        summary = run_summary(recipe, run_dir, start_step, eval_before, final_eval["eval_reward"], times, end_step=end,
                               stopped_by=stopped_by)
         logger.close()
         logger = None

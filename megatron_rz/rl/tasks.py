@@ -3,24 +3,28 @@
 A task is any object with `sample(rng, n)`, `eval_set()` and `reward(problem, response_text)`.
 Built in: `arithmetic` (multi-digit arithmetic, exact-match reward; answers of a few tokens) and
 `chain_sum` (the sum of many numbers written out step by step: answers of 100+ tokens, reward on
-the final total). A user task plugs in through
+the final total), the toy tasks of the tiny models; `dataset` (local files through `datasets`,
+chat templates, math-verify / exact / user rewards: megatron_rz.rl.dataset_task) and
+`reasoning_gym` (its generators and scorers: megatron_rz.rl.gym_task). A user task plugs in through
 the recipe as `task.name: "my_pkg.my_module:make_task"`; the factory receives the TaskConfig.
+
+Optional task methods the loop uses where present: ``score(problem, response) -> (reward, status)``
+(status None, "error" or "timeout": a guarded reward), ``render(problem, tokenizer) -> str`` (the
+prompt text, e.g. through the chat template), ``sample_step(step, n)`` (the prompts of one training
+step in epoch order), ``eval_sets() -> {name: problems}`` (several named held-out sets).
 """
 
 from __future__ import annotations
 
 import importlib
 import random
-from dataclasses import dataclass
+import math
 from typing import Protocol
 
 from megatron_rz.recipe import RecipeError, TaskConfig
+from megatron_rz.rl.problem import Problem  # noqa: F401 (the tasks' type, imported from here by users)
 
 
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
 
 
 class Task(Protocol):
@@ -171,10 +175,18 @@ class ChainSum:
         return None if self.final_total(wrong) == self.final_total(problem.answer) else wrong
 
 
-BUILTIN = ("arithmetic", "chain_sum")
+BUILTIN = ("arithmetic", "chain_sum", "dataset", "reasoning_gym")
 
 
 def make_task(cfg: TaskConfig) -> Task:
+    if cfg.name == "dataset":
+        from megatron_rz.rl.dataset_task import DatasetTask
+
+        return DatasetTask(cfg)
+    if cfg.name == "reasoning_gym":
+        from megatron_rz.rl.gym_task import GymTask
+
+        return GymTask(cfg)
     if cfg.name == "arithmetic":
         return Arithmetic(cfg.digits, cfg.ops, cfg.eval_prompts, cfg.seed, **cfg.kwargs)
     if cfg.name == "chain_sum":
@@ -199,3 +211,47 @@ def make_task(cfg: TaskConfig) -> Task:
     if missing:
         raise RecipeError(f"task {cfg.name!r} lacks method(s) {missing}; see megatron_rz.rl.tasks.Task")
     return task
+
+
+def score(task: Task, problem: Problem, response: str) -> tuple[float, str | None]:
+    """(reward, status) of one response: the task's guarded ``score`` where it has one; else its
+    ``reward``, where an exception or a value that is not a finite number scores 0 with status
+    "error" (a user task's bug is counted, it does not stop the run)."""
+    fn = getattr(task, "score", None)
+    if fn is not None:
+        return fn(problem, response)
+    try:
+        value = float(task.reward(problem, response))
+    except Exception as e:  # noqa: BLE001
+        print(f"[rz] reward error, scored 0: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return 0.0, "error"
+    return (value, None) if math.isfinite(value) else (0.0, "error")
+
+
+def prompt_text(task: Task, tok, problem: Problem) -> str:
+    """The text a prompt is tokenized from: ``task.render`` (e.g. the tokenizer's chat template) or
+    the problem's plain prompt."""
+    render = getattr(task, "render", None)
+    return render(problem, tok) if render is not None else problem.prompt
+
+
+def step_problems(task: Task, rng: random.Random, step: int, n: int) -> list[Problem]:
+    """The prompts of training step ``step``: ``task.sample_step`` (epoch order) or ``task.sample``."""
+    fn = getattr(task, "sample_step", None)
+    return fn(step, n) if fn is not None else task.sample(rng, n)
+
+
+def eval_sets(task: Task) -> dict[str, list[Problem]]:
+    """The task's named held-out sets (one, "heldout", for tasks with a single eval_set)."""
+    fn = getattr(task, "eval_sets", None)
+    return fn() if fn is not None else {"heldout": task.eval_set()}
+
+
+def describe_task(cfg: TaskConfig) -> str:
+    """One line naming the task, its data and its reward (rz submit's job header)."""
+    if cfg.name == "dataset":
+        sets = f"; eval sets {', '.join(cfg.eval_sets)}" if cfg.eval_sets else f"; {cfg.eval_prompts} rows held out"
+        return f"dataset {cfg.path} (reward {cfg.reward or 'math_verify'}{sets}; eval_samples {cfg.eval_samples})"
+    if cfg.name == "reasoning_gym":
+        return f"reasoning_gym {cfg.kwargs.get('dataset')} (reward {cfg.reward or 'its scorer'})"
+    return f"{cfg.name} (built-in toy task)" if cfg.name in ("arithmetic", "chain_sum") else cfg.name
