@@ -369,6 +369,19 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
     eng = _engine(ckpt, aligned, mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
     res: dict = {"ckpt": ckpt, "engine": kind, "env": env, "cells": []}
     lines = []
+    replays = [0]  # CUDA graph replays (the in-process engine's decode steps, when it replays them)
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(self, *a, **k):
+        replays[0] += 1
+        return replay(self, *a, **k)
+
+    torch.cuda.CUDAGraph.replay = counted
+
+    def save():
+        json.dump(res, open(out, "w"), indent=1)
+        open(os.path.splitext(out)[0] + ".txt", "w").write("\n".join(lines) + "\n")
+
     try:
         for (B, P, N) in cells:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
@@ -385,7 +398,9 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
                 return time.perf_counter() - t
 
             timed(N)  # warm-up
+            replays[0] = 0
             walls = {n: sorted(timed(n) for _ in range(3))[1] for n in (N // 2, N)}
+            replays_per_step = replays[0] / (3 * (N // 2) + 3 * N)  # ~1: every decode step replays a graph
             step_ms = (walls[N] - walls[N // 2]) / (N - N // 2) * 1e3
             with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t = time.perf_counter()
@@ -410,21 +425,23 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
                 host[key] = [ln for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
             cell = {"batch": B, "prompt": P, "new": N, "wall_s": round(walls[N], 4), "wall_half_s": round(walls[N // 2], 4),
                     "decode_step_ms": round(step_ms, 3), "profiled_wall_s": round(wall, 4),
-                    "kernel_s": round(gpu_total, 4), "kernel_launches": n_kernels, "top": top, "host": host}
+                    "kernel_s": round(gpu_total, 4), "kernel_launches": n_kernels,
+                    "graph_replays_per_decode_step": round(replays_per_step, 3), "top": top, "host": host}
             res["cells"].append(cell)
             lines.append(f"== {kind} {B}x{P}x{N}: wall {walls[N]:.3f} s (half the new tokens {walls[N // 2]:.3f} s: "
                          f"decode step {step_ms:.2f} ms); profiled wall {wall:.3f} s, kernels {gpu_total:.3f} s in "
-                         f"{n_kernels} launches")
+                         f"{n_kernels} launches; {replays_per_step:.2f} CUDA graph replays per decode step")
             lines += [f"  {x['ms']:9.2f} ms {x['share']:6.1%} {x['calls']:6d}  {x['name']}" for x in top]
             lines.append("  -- host, by own time (cProfile) --")
             lines += ["  " + ln for ln in host["tottime"]]
             lines.append("  -- host, by cumulative time --")
             lines += ["  " + ln for ln in host["cumulative"]]
             print("\n".join(lines), flush=True)
+            save()
     finally:
+        torch.cuda.CUDAGraph.replay = replay
+        save()
         eng.close()
-    json.dump(res, open(out, "w"), indent=1)
-    open(os.path.splitext(out)[0] + ".txt", "w").write("\n".join(lines) + "\n")
     return res
 
 

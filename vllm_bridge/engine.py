@@ -394,7 +394,9 @@ class RolloutEngine:
         atexit.register(self.close)
         # (pid, start time) of the worker processes, to reap them in close() if the engine core
         # died without taking them down.
-        self._worker_procs = [(pid, _proc_start_time(pid)) for pid in self._rpc("rz_pid")]
+        # (an in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0, runs its worker in this process:
+        # never reap ourselves)
+        self._worker_procs = [(pid, _proc_start_time(pid)) for pid in self._rpc("rz_pid") if pid != os.getpid()]
         if aligned and not all(self._rpc("rz_aligned_sampler")):
             self.close()
             raise RolloutEngineError(

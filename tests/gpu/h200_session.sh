@@ -149,12 +149,16 @@ PYEOF
     profile_rl)
       for e in ${PROFILE_ENGINES:-aligned aligned_base stock}; do
         "$PY" benchmarks/rollout_gpu.py profile --ckpt "${BENCH_CKPT:-/root/ckpt/moe1b}" --out "$d/profile_rl_$e.json" \
-          --cells ${PROFILE_CELLS:-64x512x256} --engine $e 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | grep -E "^== " | tee -a "$d/summary.txt"
+          --cells ${PROFILE_CELLS:-64x512x256} --engine $e > "$d/profile_rl_$e.log" 2>&1
+        echo "rc=$? $e" >> "$d/summary.txt"
+        grep -E "^== |Asynchronous scheduling|cudagraph|CUDA graph|Error|error" "$d/profile_rl_$e.log" | tail -12 | tee -a "$d/summary.txt"
       done ;;
     bench_rl)
       "$PY" benchmarks/rollout_gpu.py bench --ckpt "${BENCH_CKPT:-/root/ckpt/moe1b}" --out "$d/bench_rl.json" \
         --engines ${BENCH_ENGINES:-stock,aligned} --seeded ${BENCH_SEEDED:-on} --rounds ${BENCH_ROUNDS:-5} \
-        ${BENCH_CELLS:+--cells $BENCH_CELLS} 2>&1 | grep -vE "^(INFO|WARNING|\(EngineCore)" | grep -E "^\{|summary|engine|failed" | tee "$d/summary.txt" ;;
+        ${BENCH_CELLS:+--cells $BENCH_CELLS} > "$d/bench_rl.log" 2>&1
+      echo "rc=$? bench_rl" >> "$d/summary.txt"
+      grep -E "^\{|summary|engine up|failed|Traceback|Error" "$d/bench_rl.log" | tail -60 | tee -a "$d/summary.txt" ;;
     *) echo "unknown stage $st"; return 2 ;;
   esac
   log "stage $st done in $((SECONDS - t0)) s"
