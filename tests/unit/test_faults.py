@@ -61,6 +61,96 @@ def test_one_flipped_byte_in_a_sync_is_caught_every_time(dtype):
     assert missed_by_float_sums > 0  # the exact check is what catches low-mantissa flips
 
 
+# Every kind of tensor of a tiny Qwen3-MoE (embeddings, attention, experts, norms, router), held by a
+# two-worker tensor-parallel engine as the aligned class holds them: attention and experts split
+# (dim, in two), the rest whole on both workers.
+ALL = {"model.embed_tokens.weight": ((64, 128), None), "lm_head.weight": ((64, 128), None),
+       "model.norm.weight": ((128,), None), "model.layers.0.input_layernorm.weight": ((128,), None),
+       "model.layers.0.self_attn.q_norm.weight": ((32,), None),
+       "model.layers.0.self_attn.q_proj.weight": ((128, 128), 0), "model.layers.0.self_attn.k_proj.weight": ((64, 128), 0),
+       "model.layers.0.self_attn.v_proj.weight": ((64, 128), 0), "model.layers.0.self_attn.o_proj.weight": ((128, 128), 1),
+       "model.layers.0.mlp.gate.weight": ((8, 128), None),
+       **{f"model.layers.0.mlp.experts.{e}.{k}.weight": ((128, 128), 0 if k != "down_proj" else 1)
+          for e in range(8) for k in ("gate_proj", "up_proj", "down_proj")}}
+
+
+def _tp2_reports(dtype: str) -> list[dict]:
+    """What two workers' rz_verify_layout report for ALL (the box of each full tensor they hold)."""
+    out = []
+    for r in (0, 1):
+        params = {}
+        for n, (shape, dim) in ALL.items():
+            box = [[0, s] for s in shape]
+            if dim is not None:
+                half = shape[dim] // 2
+                box[dim] = [r * half, (r + 1) * half]
+            params[n] = {"shape": list(shape), "box": box, "dtype": dtype}
+        out.append({"rank": r, "params": params, "unverified": {}})
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_flipped_byte_in_any_parameter_of_any_worker_is_caught(dtype):
+    """transport.SyncCheck against what each worker's rz_shard_checksums reports (worker_ext.bits_entry
+    of the shard it holds): 600 random flips, each in a byte drawn uniformly from all the bytes the two
+    workers hold, are all caught, each naming the worker and the parameter, nothing else."""
+    from vllm_bridge.shards import narrow
+    from vllm_bridge.transport import SyncCheck
+    from vllm_bridge.worker_ext import bits_entry
+
+    g = torch.Generator().manual_seed(0)
+    learner = {n: (torch.randn(shape, generator=g) * 0.02).to(dtype) for n, (shape, _) in ALL.items()}
+    reports = _tp2_reports(str(dtype).replace("torch.", ""))
+    check = SyncCheck(reports).named(learner.items())
+    held = [{n: narrow(learner[n], tuple(map(tuple, p["box"]))).clone() for n, p in rep["params"].items()}
+            for rep in reports]
+    reported = [{n: bits_entry(t) for n, t in w.items()} for w in held]
+    assert check.compare(reported, 1)["checked"] == 2 * len(ALL)  # no false alarm
+    slots = [(r, n) for r in (0, 1) for n in sorted(held[r])]
+    sizes = [held[r][n].numel() * held[r][n].element_size() for r, n in slots]
+    rng, kinds = random.Random(1), {}
+    for _ in range(600):
+        r, n = rng.choices(slots, weights=sizes)[0]
+        bad, _, _ = _flip(held[r][n], rng)
+        got = [dict(w) for w in reported]
+        got[r][n] = bits_entry(bad)
+        with pytest.raises(WeightSyncError) as e:
+            check.compare(got, 1)
+        assert f"(worker {r})" in str(e.value) and f": rank {r} {n} (bytes differ)." in str(e.value), e.value
+        kind = "experts" if ".experts." in n else "attention" if "_proj" in n else "other"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    print(f"\n{dtype}: 600/600 flips caught over {len(slots)} (worker, parameter) pairs: {kinds}")
+    assert set(kinds) == {"experts", "attention", "other"}
+
+
+def test_every_parameter_check_names_missing_and_misshapen_tensors():
+    from vllm_bridge.shards import narrow
+    from vllm_bridge.transport import SyncCheck
+    from vllm_bridge.worker_ext import bits_entry
+
+    reports = _tp2_reports("float32")
+    g = torch.Generator().manual_seed(0)
+    learner = {n: torch.randn(shape, generator=g) for n, (shape, _) in ALL.items()}
+    reported = [{n: bits_entry(narrow(learner[n], tuple(map(tuple, p["box"])))) for n, p in rep["params"].items()}
+                for rep in reports]
+    name = "model.layers.0.mlp.experts.5.up_proj.weight"
+    check = SyncCheck(reports).named((k, v) for k, v in learner.items() if k != name)  # a dropped tensor
+    with pytest.raises(WeightSyncError, match=f": 2/{2 * len(ALL)} parameters: rank 0 {name} \\(not sent by the learner\\), "
+                       f"rank 1 {name} \\(not sent by the learner\\)\\."):
+        check.compare(reported, 3)
+    check = SyncCheck(reports).named(learner.items())
+    with pytest.raises(WeightSyncError, match=f"\\(worker 1\\).*: 1/{2 * len(ALL)} parameters: rank 1 {name} \\(not reported"):
+        check.compare([reported[0], {k: v for k, v in reported[1].items() if k != name}], 3)  # a worker lost one
+    check = SyncCheck(reports).named({**learner, "model.norm.weight": torch.ones(64)}.items())
+    with pytest.raises(WeightSyncError, match="rank 0 model.norm.weight \\(shape: learner \\(64,\\), engine full tensor "
+                       "\\(128,\\)\\)"):
+        check.compare(reported, 3)
+    with pytest.raises(WeightSyncError, match="reported 1 workers, its layout has 2"):
+        SyncCheck(reports).named(learner.items()).compare(reported[:1], 3)
+    with pytest.raises(WeightSyncError, match="holds no parameter the check can compare"):  # a stock class, all packed
+        SyncCheck([{"rank": 0, "params": {}, "unverified": {"model.layers.0.mlp.experts.w13_weight": 1 << 20}}]).compare([{}], 3)
+
+
 # ------------------------------------------------------------------------ checkpoints
 
 
@@ -211,72 +301,59 @@ def test_sigterm_in_the_loop_checkpoints_that_step_then_exits_143(sigterm, tmp_p
         time.sleep(1)
 
 
-# ------------------------------------------------------------------------ a dead rollout engine
+# ------------------------------------------------------------------------ how a stopped run reports
 
 
-@pytest.mark.parametrize("error", ["RolloutEngineError", "RolloutProcessError", "WeightSyncError", "OSError"])
-def test_dead_engine_stops_the_run_with_one_line_naming_the_checkpoint(tmp_path, capsys, monkeypatch, error):
-    """What rz train prints when the engine dies mid-run (SIGKILL of vLLM: RolloutEngineError from
-    the engine client, RolloutProcessError from the async rollout process) or a sync fails its
-    verification, or the disk fills up: one line, exit 1, and the checkpoint load=latest will resume from."""
+@pytest.mark.parametrize("error", ["RolloutProcessError", "WeightSyncError", "OSError"])
+def test_stopping_error_is_one_line_naming_the_checkpoint(tmp_path, capsys, monkeypatch, error):
+    """The CLI's handling of the errors that stop a run (cli._train_or_stop), with train() replaced by
+    one that writes a checkpoint and raises: the async rollout process died, a sync failed its
+    verification, the disk filled up. One line, exit 1, the checkpoint load=latest resumes from, the
+    lock released. (A really dead engine on a real run: tests/integration/test_reliability_dead_engine.py;
+    engine restarts through the loop: tests/integration/test_verify_sync.py.)"""
+    import errno
+
     import megatron_rz.loop.rollout_process as at
     import megatron_rz.loop.trainer as tr
     import vllm_bridge.engine as eng
     from megatron_rz import cli
 
     run = tmp_path / "run"
-    import errno
+    cls = {"RolloutProcessError": at.RolloutProcessError, "WeightSyncError": eng.WeightSyncError, "OSError": OSError}[error]
 
-    cls = {"RolloutEngineError": eng.RolloutEngineError, "RolloutProcessError": at.RolloutProcessError,
-           "WeightSyncError": eng.WeightSyncError, "OSError": OSError}[error]
-
-    def dies(recipe):
+    def stops(recipe):
         _save(run, 4)
         if cls is OSError:  # the disk filled up while a checkpoint was written
             raise OSError(errno.ENOSPC, "No space left on device")
-        raise cls("vLLM engine core (pid 1234) died during generate (exit -9)")
+        raise cls("rollout process (pid 1234) exited with code -9")
 
-    monkeypatch.setattr(tr, "train", dies)
+    monkeypatch.setattr(tr, "train", stops)
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep pytest's own SIGTERM handling
     rc = cli.main(["train", str(ROOT / "recipes" / "tiny_moe.yaml"), f"logging.run_dir={run}", "logging.wandb=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "Traceback" not in err[0], err
-    said = "[Errno 28] No space left on device" if cls is OSError else "vLLM engine core (pid 1234) died"
+    said = "[Errno 28] No space left on device" if cls is OSError else "rollout process (pid 1234) exited with code -9"
     assert err[0].startswith(f"rz: stopped: {error}: {said}")
     assert str(checkpoint_dir(run, 4)) in err[0] and "checkpoint.load=latest" in err[0]
     assert not (run / "rz.lock").exists()  # the lock is released on the way out
 
 
-# ------------------------------------------------------------------------ engine restart (sync trainer)
+# ------------------------------------------------------------------------ weight-push errors (trainer)
 
 
-class _Rollout:
-    """InlineRollout as fetch_batch uses it; its engine dies `deaths` times mid-batch."""
+class _FailingPush:
+    """The rollout as push_weights uses it, whose push raises ``error``; records restart requests."""
 
-    pad_id = 0
-
-    def __init__(self, deaths: int, restartable: bool = True, budget: int = 2):
-        self.deaths, self.restarts, self.calls, self.pushed = deaths, 0, [], []
-        self.restartable, self.budget = restartable, budget
-
-    def batch(self, k):
-        from megatron_rz.loop.resume import step_rng
-        from vllm_bridge.samples import Sample
-
-        self.calls.append((k, step_rng(0, 5 + k).random()))
-        if len(self.calls) <= self.deaths:
-            raise __import__("vllm_bridge.engine", fromlist=["x"]).RolloutEngineError("engine core died (-9)")
-        s = [Sample([1, 2], [3, 4], [-0.5, -0.25], [7, 7], "stop", group=0, reward=r) for r in (0.0, 1.0)]
-        return s, {"k": k}
-
-    def restart(self, error, step, version):  # InlineRollout.restart's budget rule
-        if not self.restartable or self.restarts >= self.budget:
-            return False
-        self.restarts += 1
-        return True
+    def __init__(self, error):
+        self.error, self.restart_calls = error, []
 
     def push_weights(self, buckets, version, verify=False):
-        self.pushed.append((list(buckets), version))
+        next(iter(buckets))
+        raise self.error
+
+    def restart(self, error, step, version):
+        self.restart_calls.append(type(error).__name__)
+        return False  # the budget is spent (the real rule: test_verify_sync.py)
 
 
 class _PushLearner:
@@ -284,52 +361,22 @@ class _PushLearner:
 
     def hf_weight_buckets(self):
         yield {"model.norm.weight": torch.ones(2)}
+        yield {"model.embed_tokens.weight": torch.ones(2, 2)}
 
 
-class _DyingPush(_Rollout):
-    """Its engine dies during the first ``pushes_dying`` weight pushes, after reading one bucket."""
-
-    def __init__(self, pushes_dying: int, error=None, **kw):
-        super().__init__(deaths=0, **kw)
-        self.pushes_dying, self.error, self.attempts = pushes_dying, error, 0
-
-    def push_weights(self, buckets, version, verify=False):
-        from vllm_bridge.engine import RolloutEngineError
-
-        self.attempts += 1
-        if self.attempts <= self.pushes_dying:
-            next(iter(buckets))
-            raise self.error or RolloutEngineError("engine core died (-9) during the weight push")
-        super().push_weights(buckets, version, verify)
-
-
-def test_weight_push_restarts_a_dead_engine_and_pushes_again():
+def test_weight_push_asks_for_a_restart_only_when_the_engine_died():
+    """push_weights (trainer._on_rank0): a dead engine (RolloutEngineError) asks the rollout for a
+    restart and, refused, stops the run with the engine's error; any other error (a bad bucket, a
+    failed verification) is raised at once, never retried."""
     from megatron_rz.loop.trainer import push_weights
     from vllm_bridge.engine import RolloutEngineError
 
-    ro = _DyingPush(1)
-    assert push_weights(_PushLearner(), ro, 3, verify=False) == 8  # the second push's bytes (2 fp32)
-    assert ro.restarts == 1 and ro.attempts == 2 and [v for _, v in ro.pushed] == [7]
-    with pytest.raises(RolloutEngineError):  # past the restart budget the error stops the run
-        push_weights(_PushLearner(), _DyingPush(3), 3, verify=False)
-    with pytest.raises(ValueError, match="bad bucket"):  # any other error is not retried
-        push_weights(_PushLearner(), _DyingPush(1, error=ValueError("bad bucket")), 3, verify=False)
-
-
-def test_dead_engine_is_restarted_with_current_weights_and_the_batch_reruns_identically():
-    from megatron_rz.loop.rollout_process import RolloutProcessError
-    from megatron_rz.loop.trainer import fetch_batch
-    from vllm_bridge.engine import RolloutEngineError
-
-    ro = _Rollout(deaths=2)
-    batch, meta = fetch_batch(_PushLearner(), ro, 0, 5, 0)
-    assert meta == {"k": 0} and batch.rewards.tolist() == [0.0, 1.0]
-    assert ro.restarts == 2 and [v for _, v in ro.pushed] == [7, 7]  # the new engine got version 7 each time
-    assert all(torch.equal(b[0]["model.norm.weight"], torch.ones(2)) for b, _ in ro.pushed)
-    assert len(set(ro.calls)) == 1, "the re-run must draw the same prompts (same rng per step)"
-    with pytest.raises(RolloutEngineError):  # the budget is per run: the third death stops it
-        fetch_batch(_PushLearner(), _Rollout(deaths=3), 0, 5, 0)
-    with pytest.raises(RolloutEngineError):  # remote engines (vLLM servers) are not restarted
-        fetch_batch(_PushLearner(), _Rollout(deaths=1, restartable=False), 0, 5, 0)
-    with pytest.raises(RolloutProcessError, match="lag bound violated"):  # the consumer-side check
-        fetch_batch(type("L", (), {"version": 9})(), _Rollout(deaths=0), 0, 5, 0)
+    dead = _FailingPush(RolloutEngineError("engine core died (-9) during the weight push"))
+    with pytest.raises(RolloutEngineError, match="died"):
+        push_weights(_PushLearner(), dead, 3, verify=True)
+    assert dead.restart_calls == ["RolloutEngineError"]
+    for error in (ValueError("bad bucket"), WeightSyncError("the rollout engine (worker 0): its weights differ")):
+        ro = _FailingPush(error)
+        with pytest.raises(type(error)):
+            push_weights(_PushLearner(), ro, 3, verify=True)
+        assert ro.restart_calls == []

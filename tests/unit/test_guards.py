@@ -1,5 +1,6 @@
 """Non-finite updates are never applied: the guard's step skipping and its stop after N in a row,
-on a small torch model with Megatron's conventions (DDP main_grad buffers, step() -> (ok, norm, _))."""
+on a small torch model with Megatron's conventions (DDP main_grad buffers, step() -> (ok, norm, _)),
+in one process and on two gloo ranks of which only one gets the non-finite gradient."""
 
 from __future__ import annotations
 
@@ -125,3 +126,53 @@ def test_run_stops_after_n_skipped_in_a_row_and_a_good_update_resets_the_count()
 def test_guard_is_installed_once():
     learner, guard = _learner()
     assert install_nonfinite_guard(learner) is guard
+
+
+# ------------------------------------------------------------------ two ranks, one non-finite
+
+
+def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks: the same small model on both (no gradient all-reduce: each rank's
+    gradients are its own, as a TP or EP rank's shards are); update 2 gets a NaN gradient on rank 1
+    only. The guard's one all-reduce must skip it on both ranks."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        learner, guard = _learner()
+        good = guard.wrap_loss(lambda y, r: (GOOD(y, r), {}))
+        first = _step(learner, good, X)  # a real update on both ranks: Adam has state
+        before = _state(learner)
+        fn = guard.wrap_loss(lambda y, r: (GOOD(y, r) + _Hook.apply(y, float("nan")).sum(), {})) if rank == 1 else good
+        poisoned = guard.after_update(_step(learner, fn, X), 2)
+        unchanged = _same(before, _state(learner))
+        zeroed = all(torch.count_nonzero(p.main_grad) == 0 for p in learner.model.parameters())
+        after = _step(learner, good, X)  # the next finite update is applied on both
+        torch.save({"first": first, "poisoned": poisoned, "unchanged": unchanged, "after": after,
+                    "moved": not _same(before, _state(learner)), "zeroed": zeroed},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_non_finite_gradient_on_one_of_two_ranks_is_applied_by_no_rank(tmp_path):
+    import socket
+
+    import torch.multiprocessing as tmp_mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp_mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r, x in enumerate(res):
+        assert x["first"]["update_successful"], (r, x["first"])
+        p = x["poisoned"]
+        assert p["update_successful"] is False and math.isnan(p["grad_norm"]) and p["update_skipped"] == 1, (r, p)
+        assert x["unchanged"], f"rank {r} applied the update that was non-finite on rank 1"
+        assert x["zeroed"], f"rank {r} kept the skipped update's gradients"
+        assert x["after"]["update_successful"] and x["moved"], (r, x["after"])
+    assert math.isfinite(res[0]["poisoned"]["loss"])  # rank 0's own loss and gradients were finite
