@@ -38,6 +38,11 @@ def _print_summary(summary: dict) -> None:
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     t.add_row("held-out reward before", fmt(summary["eval_reward_before"]))
     t.add_row("held-out reward after", fmt(summary["eval_reward_after"]))
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    for key in after:  # every eval set's greedy / avg@k / pass@1 / pass@k (megatron_rz.rl.evaluation)
+        t.add_row(f"held-out {key} before / after", f"{fmt(before.get(key))} / {fmt(after[key])}")
+    if summary.get("reward_errors") or summary.get("reward_timeouts"):
+        t.add_row("reward errors / timeouts (scored 0)", f"{summary['reward_errors']} / {summary['reward_timeouts']}")
     t.add_row("train reward first / last", f"{fmt(summary['train_reward_first'])} / {fmt(summary['train_reward_last'])}")
     t.add_row("max |dlogp| vLLM vs learner", fmt(summary["mismatch_max_abs_dlogp"]))
     t.add_row("mean |dlogp|", fmt(summary["mismatch_mean_abs_dlogp"]))

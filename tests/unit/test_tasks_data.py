@@ -287,3 +287,13 @@ def test_recipe_rules_for_tasks(tmp_path):
                                              "rollout.prompts_per_step=16", "rollout.max_new_tokens=8"])
     assert check_task(r) == ["task.epochs=null", "schedule.steps=5"] and r.schedule.steps == 5  # ceil(2*40/16)
     assert r.task.epochs is None and load_recipe("recipes/tiny_moe.yaml", ["task.epochs=null", "schedule.steps=5"])
+
+
+def test_full_size_recipes_submit_dry_run_names_the_task():
+    from megatron_rz.launch.submit import submit
+
+    for name in ("r1_distill_qwen_1p5b", "qwen3_30b_a3b", "deepseek_v3_671b", "deepseek_v4_flash"):
+        printed: list[str] = []
+        assert submit(load_recipe(f"recipes/{name}.yaml"), dry_run=True, out=printed.append) is None
+        assert ("#   task: dataset /shared/data/math/train.jsonl (reward math_verify; eval sets aime24, aime25, amc23, "
+                "math500, olympiadbench; eval_samples 16)") in printed[0], name
