@@ -125,7 +125,7 @@ def corpus_text(problems: list[Problem], template: str | None) -> list[str]:
     return [text + p.answer for text, p in zip(rendered, problems)]
 
 
-class DatasetTask:
+class DatasetTask(rewards.GuardedReward):
     """Prompts and reference answers from local files; see the module docstring."""
 
     def __init__(self, cfg: TaskConfig):
@@ -159,7 +159,6 @@ class DatasetTask:
         self.reward_path = rewards.function_path(cfg.reward or "math_verify")
         if self.reward_path not in rewards.FUNCTIONS.values():
             rewards.resolve(self.reward_path)  # a user function that cannot be imported: refused now
-        self._worker = None
 
     # ---------------------------------------------------------------- reading the files
 
@@ -242,26 +241,6 @@ class DatasetTask:
         """The prompt text: the chat template's rendering (generation prompt added) where one applies."""
         return render(problem, tok, self.cfg.chat_template, self.template)
 
-    def score(self, problem: Problem, response: str) -> tuple[float, str | None]:
-        if self.reward_path == rewards.FUNCTIONS["exact"]:
-            return rewards.exact_reward(response, problem.answer), None
-        if self._worker is None:
-            self._worker = rewards.RewardWorker([self.reward_path], self.cfg.reward_timeout_s)
-        return self._worker.call(self.reward_path, (response, problem.answer, problem.row))
-
-    def reward(self, problem: Problem, response: str) -> float:
-        return self.score(problem, response)[0]
-
-    @property
-    def reward_counts(self) -> dict:
-        w = self._worker
-        return {"reward_errors": w.errors if w else 0, "reward_timeouts": w.timeouts if w else 0}
-
     def corpus(self, rng: random.Random, n: int) -> list[str]:
         """Warm-start / tokenizer text: prompt + answer of random training rows (corpus_text)."""
         return corpus_text(self.sample(rng, n), self.template)
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None

@@ -66,7 +66,7 @@ def score_entry(response: str, answer: str, row: dict) -> float:
         given if given is not None else response.strip(), entry)
 
 
-class GymTask:
+class GymTask(rewards.GuardedReward):
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         kwargs = dict(cfg.kwargs)
@@ -80,7 +80,6 @@ class GymTask:
         self.reward_path = rewards.function_path(cfg.reward) if cfg.reward else SCORE_PATH
         if cfg.reward and self.reward_path not in rewards.FUNCTIONS.values():
             rewards.resolve(self.reward_path)
-        self._worker = None
         try:
             self._problem(self._train[0])
         except (KeyError, IndexError, ValueError) as e:
@@ -113,20 +112,5 @@ class GymTask:
         yield from ((f"task.kwargs.dataset={self.name!r} held-out entry {i + 1}", p) for i, p in enumerate(self._eval))
         yield from ((f"task.kwargs.dataset={self.name!r} training entry", p) for p in self.sample(random.Random(0), 500))
 
-    def score(self, problem: Problem, response: str) -> tuple[float, str | None]:
-        if self.reward_path == rewards.FUNCTIONS["exact"]:
-            return rewards.exact_reward(response, problem.answer), None
-        if self._worker is None:
-            self._worker = rewards.RewardWorker([self.reward_path], self.cfg.reward_timeout_s)
-        return self._worker.call(self.reward_path, (response, problem.answer, problem.row))
-
-    def reward(self, problem: Problem, response: str) -> float:
-        return self.score(problem, response)[0]
-
     def corpus(self, rng: random.Random, n: int) -> list[str]:
         return corpus_text(self.sample(rng, n), self.template)
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None

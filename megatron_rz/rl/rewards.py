@@ -175,6 +175,34 @@ class RewardWorker:
             pass
 
 
+class GuardedReward:
+    """The reward methods of the data tasks: ``score`` through one RewardWorker per task (started at
+    the first call), ``exact`` in-process (it cannot hang). Needs ``reward_path`` and ``cfg``."""
+
+    reward_path: str
+    _worker: RewardWorker | None = None
+
+    def score(self, problem, response: str) -> tuple[float, str | None]:
+        if self.reward_path == FUNCTIONS["exact"]:
+            return exact_reward(response, problem.answer), None
+        if self._worker is None:
+            self._worker = RewardWorker([self.reward_path], self.cfg.reward_timeout_s)
+        return self._worker.call(self.reward_path, (response, problem.answer, problem.row))
+
+    def reward(self, problem, response: str) -> float:
+        return self.score(problem, response)[0]
+
+    @property
+    def reward_counts(self) -> dict:
+        w = self._worker
+        return {"reward_errors": w.errors if w else 0, "reward_timeouts": w.timeouts if w else 0}
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
 class _Duplex:
     """A Connection-like pair over two pipe ends (send on one, receive on the other)."""
 

@@ -213,6 +213,9 @@ def make_task(cfg: TaskConfig) -> Task:
     return task
 
 
+_PRINTED = [0]
+
+
 def score(task: Task, problem: Problem, response: str) -> tuple[float, str | None]:
     """(reward, status) of one response: the task's guarded ``score`` where it has one; else its
     ``reward``, where an exception or a value that is not a finite number scores 0 with status
@@ -223,7 +226,9 @@ def score(task: Task, problem: Problem, response: str) -> tuple[float, str | Non
     try:
         value = float(task.reward(problem, response))
     except Exception as e:  # noqa: BLE001
-        print(f"[rz] reward error, scored 0: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        _PRINTED[0] += 1
+        if _PRINTED[0] <= 3:  # the first few; the rest are counted only
+            print(f"[rz] reward error, scored 0: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return 0.0, "error"
     return (value, None) if math.isfinite(value) else (0.0, "error")
 
