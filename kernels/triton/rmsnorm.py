@@ -7,7 +7,9 @@ Same formula as the CPU reference (kernels/norm.py, HF Qwen3/Llama order):
 
 The sum is Triton's tree reduction over one BLOCK_D = next_pow2(D) vector, masked lanes are exact
 zeros; BLOCK_D and num_warps are functions of D only, so a row's bits never depend on the number of
-rows or on its position. (Not bitwise equal to the CPU tree_sum: the trees differ.)
+rows or on its position. (Not bitwise equal to the CPU tree_sum: the trees differ.) A ``[T, H, D]``
+input is read through its strides (e.g. the q / k heads sliced from a fused q/k/v GEMM output), so
+no copy is made first; the output is contiguous.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ __all__ = ["rms_norm"]
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, N1, stride_x1,
                     HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    # input row ``row`` = (row // N1, row % N1) of a [.., N1, D] view with strides (stride_x, stride_x1)
+    x = tl.load(x_ptr + (row // N1) * stride_x + (row % N1) * stride_x1 + offs, mask=mask, other=0.0)
     x32 = x.to(tl.float32)
     ss = tl.sum(x32 * x32, axis=0)
     ms = tl.math.div_rn(ss, D.to(tl.float32))
@@ -46,14 +49,19 @@ def _num_warps(block_d: int) -> int:
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (fp32/bf16/fp16, any leading shape); no autograd."""
     D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    R = x2.shape[0]
+    if x.dim() == 3 and x.stride(-1) == 1 and x.shape[1] > 0:
+        # [T, H, D] heads of a wider row (q / k slices of a fused q/k/v output): read in place, no copy
+        x2, n1, s1 = x, x.shape[1], x.stride(1)
+    else:
+        x2 = x.reshape(-1, D)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        n1, s1 = 1, 0
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    R = x.numel() // D if D else 0
     if R and D:
         block_d = triton.next_power_of_2(D)
         _rmsnorm_kernel[(R,)](
-            x2, weight if weight is not None else x2, out, D, x2.stride(0), out.stride(0), float(eps),
+            x2, weight if weight is not None else x2, out, D, x2.stride(0), D, float(eps), n1, s1,
             HAS_W=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d))
-    return out.reshape(x.shape)
+    return out

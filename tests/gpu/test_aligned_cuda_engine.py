@@ -122,7 +122,7 @@ def test_fused_work_list_equals_torch_work_list():
         ids = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :k].to(torch.int32)
         ids[: T // 2] = ids[0].clone()  # half the tokens to the same experts
         ref = M.make_work_list(ids.reshape(-1).to(torch.int64), E, bm)
-        got = M.work_list(ids.reshape(-1), E, bm, top_k=k)
+        got = M.work_list_fused(ids.reshape(-1), E, bm, k)
         assert torch.equal(got[0], ref[0].to(torch.int32)) and torch.equal(got[1], (ref[0] // k).to(torch.int32))
         for a, b in zip(got[2:], ref[1:]):
             assert torch.equal(a, b), (T, k, E, bm)
@@ -138,6 +138,18 @@ def test_fused_work_list_equals_torch_work_list():
     finally:
         settings.set_fused_work_list(True)
     assert torch.equal(fused, plain)
+
+
+def test_rms_norm_reads_head_slices_in_place():
+    """q / k heads sliced from the fused q/k/v GEMM output are normed through their strides (no
+    copy) with the bits of the contiguous rows."""
+    need_cuda()
+    from kernels.triton.rmsnorm import rms_norm
+
+    y = randn(33, 16 * 128 + 2 * 4 * 128, seed=9)
+    w = randn(128, seed=10)
+    for t in (y[:, :2048].reshape(33, 16, 128), y[:, 2048:2560].reshape(33, 4, 128)):
+        assert torch.equal(rms_norm(t, w, 1e-6), rms_norm(t.contiguous().reshape(-1, 128), w, 1e-6).reshape(t.shape))
 
 
 def test_paged_kv_write_copies_exactly_and_skips_padding():

@@ -5,7 +5,8 @@ the same code, so a wrong index shows here without a GPU.
 
 * the split-KV paged decode (any number of programs per sequence) == the one-pass kernel,
   bitwise, with padded requests, and close to a float64 softmax attention;
-* the one-kernel MoE work list == the torch sort / scan work list, value for value.
+* the one-kernel MoE work list == the torch sort / scan work list, value for value;
+* RMSNorm read through the strides of q / k head slices == RMSNorm of their contiguous copies.
 """
 
 import os
@@ -60,11 +61,19 @@ for T, k, E, bm in [(1, 4, 32, 16), (7, 2, 8, 16), (64, 4, 32, 16), (300, 8, 128
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
     ids[: T // 2] = ids[0].clone()  # skewed: half the tokens on the same experts
     ref = M.make_work_list(ids.reshape(-1).to(torch.int64), E, bm)
-    got = M._work_list_fused(ids.reshape(-1), E, bm, k)
+    got = M.work_list_fused(ids.reshape(-1), E, bm, k)
     assert torch.equal(got[0], ref[0].to(torch.int32)), (T, k, E)
     assert torch.equal(got[1], (ref[0] // k).to(torch.int32)), (T, k, E)
     for a, b in zip(got[2:], ref[1:]):
         assert torch.equal(a, b), (T, k, E, bm)
+from kernels.triton.rmsnorm import rms_norm
+
+y = torch.randn(7, 4 * 32 + 2 * 32)  # a fused q/k/v output: 4 query heads, 1 key head, 1 value head of 32
+w = torch.randn(32)
+for t in (y[:, :128].reshape(7, 4, 32), y[:, 128:160].reshape(7, 1, 32), torch.randn(2, 3, 32), torch.randn(6, 64)[:, :32]):
+    a = rms_norm(t, w, 1e-6)
+    b = rms_norm(t.contiguous().reshape(-1, 32).clone(), w, 1e-6).reshape(t.shape)
+    assert torch.equal(a, b) and a.is_contiguous(), tuple(t.shape)
 print("interpreted kernels OK")
 '''
 
