@@ -115,6 +115,12 @@ def _load(args):
     from megatron_rz.launch.planner import check_rollout_tp
 
     check_rollout_tp(recipe)  # a rollout TP the aligned class cannot shard: refused here, not by vLLM's workers
+    from megatron_rz.launch.task_check import check_task
+
+    # a data task's files, columns and prompt lengths fail here, before the warm start; task.epochs
+    # becomes schedule.steps, passed on to torchrun's ranks as overrides (each derives it; rank 0 also
+    # measures the prompts)
+    args.overrides = [*args.overrides, *check_task(recipe, measure=os.environ.get("RANK", "0") == "0")]
     if recipe.warm_start.device == "cuda" and not recipe.model.pretrained:
         import torch
 
@@ -132,11 +138,6 @@ def cmd_train(args) -> int:
         from megatron_rz.learner.pretrained import check_pretrained
 
         check_pretrained(recipe)
-    from megatron_rz.launch.task_check import check_task
-
-    # a data task's files, columns and prompt lengths fail here; task.epochs becomes schedule.steps,
-    # passed on to the learner ranks as overrides (every rank derives it; rank 0 measures the prompts)
-    args.overrides = [*args.overrides, *check_task(recipe, measure=os.environ.get("RANK", "0") == "0")]
     try:  # a wrong checkpoint path fails here, before the warm start and the engines ("latest" is
         # resolved by the trainer: it never fails, and verifying the checkpoints twice costs a re-read)
         if recipe.checkpoint.load != "latest":

@@ -25,7 +25,9 @@ def _tokenizer(recipe: Recipe, task, tmp: str):
     if recipe.model.pretrained:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(recipe.model.pretrained)
+        from megatron_rz.learner.pretrained import check_pretrained
+
+        return AutoTokenizer.from_pretrained(check_pretrained(recipe))  # a wrong directory: its own message
     from megatron_rz.learner.tiny_models import train_tokenizer
 
     try:
