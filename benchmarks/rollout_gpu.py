@@ -422,7 +422,7 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()
                 pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(30)
-                host[key] = [ln for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
+                host[key] = [ln.replace(str(ROOT) + os.sep, "") for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
             cell = {"batch": B, "prompt": P, "new": N, "wall_s": round(walls[N], 4), "wall_half_s": round(walls[N // 2], 4),
                     "decode_step_ms": round(step_ms, 3), "profiled_wall_s": round(wall, 4),
                     "kernel_s": round(gpu_total, 4), "kernel_launches": n_kernels,
