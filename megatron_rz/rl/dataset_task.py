@@ -156,6 +156,12 @@ class DatasetTask(rewards.GuardedReward):
             self._rows = {"heldout": ("task.path", cfg.path, order[:n_eval])}
         self._train = [self._problem(rows[i], i, "task.path", cfg.path) for i in train_idx]
         self._rows["train"] = ("task.path", cfg.path, train_idx)
+        seen = {p.prompt for p in self._train}
+        for name, probs in self._eval.items():  # held-out files that overlap the training file
+            same = sum(p.prompt in seen for p in probs)
+            if same and cfg.eval_sets:
+                print(f"[rz] task.eval_sets.{name}: {same} of its {len(probs)} prompts are also in task.path "
+                      "(trained on)", flush=True)
         self.reward_path = rewards.function_path(cfg.reward or "math_verify")
         if self.reward_path not in rewards.FUNCTIONS.values():
             rewards.resolve(self.reward_path)  # a user function that cannot be imported: refused now
