@@ -35,7 +35,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except Exception:  # pragma: no cover
     TensorDescriptor = None
 
-__all__ = ["linear", "default_k_segments", "pick_config", "GemmConfig", "CONFIGS", "matmul"]
+__all__ = ["linear", "LinearGrad", "default_k_segments", "pick_config", "GemmConfig", "CONFIGS", "matmul"]
 
 # fixed segment length used by the default segmentation of long-K / narrow-N shapes
 SEGMENT_LEN = 1024
@@ -360,6 +360,37 @@ def matmul(
     return out
 
 
+class LinearGrad(torch.autograd.Function):
+    """Forward: ``fwd(x, w, b)`` (the invariant GEMM). Backward: the two GEMMs of a linear layer in
+    the weight's dtype with fp32 accumulation (cuBLAS), ``dx = dy @ w``, ``dw = dy.T @ x``,
+    ``db = sum(dy)`` in fp32 -- what Megatron's own layers compute, with nothing of the forward run
+    again (the gradient need not be batch invariant; it is deterministic). An fp32 ``dy`` (an
+    fp32-output projection such as the lm_head) is rounded to the weight dtype first, as Megatron's
+    output layer's gradient is."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, fwd):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        ctx.bias_dtype = None if b is None else b.dtype
+        return fwd(x, w, b)
+
+    @staticmethod
+    def backward(ctx, gy):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        N, K = w.shape
+        g = gy.reshape(-1, N)
+        gl = g.to(w.dtype)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (gl @ w).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (gl.t() @ x.reshape(-1, K).to(w.dtype)).to(w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return gx, gw, gb, None
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -372,11 +403,9 @@ def linear(
     """Row-invariant ``x[..., K] @ weight[N, K].T + bias`` on CUDA -> ``[..., N]`` in ``out_dtype``.
 
     ``k_segments=None`` uses :func:`default_k_segments` (a function of (K, N) only); pass the
-    row-parallel segment count explicitly to match the other side. Differentiable (backward: plain
-    ``F.linear`` in fp32, not invariant).
+    row-parallel segment count explicitly to match the other side. Differentiable
+    (:class:`LinearGrad`: a linear layer's backward GEMMs in the weight dtype, not invariant).
     """
-    from .._common import with_reference_grad
-
     K = x.shape[-1]
     N = weight.shape[0]
     odt = out_dtype or x.dtype
@@ -388,8 +417,7 @@ def linear(
         y = matmul(x2, w_, b_, out_dtype=odt, k_segments=k_segments, config=config)
         return y.reshape(*x_.shape[:-1], N)
 
-    def ref(x_, w_, b_):
-        y = torch.nn.functional.linear(x_.float(), w_.float(), None if b_ is None else b_.float())
-        return y.to(odt)
-
-    return with_reference_grad(fwd, ref, x, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return LinearGrad.apply(x, weight, bias, fwd)
+    with torch.no_grad():
+        return fwd(x, weight, bias)
