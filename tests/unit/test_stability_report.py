@@ -1,0 +1,45 @@
+"""benchmarks/stability.py: the leg spec and the report's figures from a run's metrics.jsonl."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import stability  # noqa: E402
+
+
+def _write(d: Path, d3s, grad=None):
+    d.mkdir(parents=True)
+    rows = [{"step": 0, "eval_reward": 0.4}]
+    for i, x in enumerate(d3s, 1):
+        rows.append({"step": i, "d3": x, "kl_k1": 2 * x, "max_abs_dlogp": 0.1, "frac_bitwise": 0.5,
+                     "grad_norm": (grad or {}).get(i, 0.1), "is_w_max": 1.0 + x, "reward_mean": i / len(d3s)})
+    rows.append({"step": len(d3s), "eval_reward": 0.8})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_legs_spec():
+    assert stability._legs("aligned:2,fast:8") == [("aligned", 2), ("fast", 8)]
+    with pytest.raises(SystemExit, match="MODE:LAG"):
+        stability._legs("slow:2")
+
+
+def test_report_figures_and_ratio(tmp_path):
+    _write(tmp_path / "aligned_lag2", [1.0] * 9 + [4.0], grad={3: 0.5})
+    _write(tmp_path / "fast_lag2", [1.0] * 9 + [40.0], grad={7: 5.0})
+    res = stability.report(tmp_path, tmp_path / "out")
+    a, f = res["legs"]["aligned_lag2"], res["legs"]["fast_lag2"]
+    assert a["updates"] == 10 and a["d3_peak_over_median"] == 4.0 and f["d3_peak_over_median"] == 40.0
+    assert a["d3_median_first_10pct"] == 1.0 and f["d3_median_last_10pct"] == 40.0
+    assert a["grad_norm_max"] == 0.5 and f["grad_norm_max"] == 5.0
+    assert a["eval_first"] == 0.4 and a["eval_last"] == 0.8
+    assert res["lags"]["2"]["fast_over_aligned_d3_peak_over_median"] == 10.0
+    assert (tmp_path / "out" / "plots_lag2" / "compare_d3.png").is_file()
+    assert "| fast_lag2 | 10 |" in (tmp_path / "out" / "report.md").read_text()
+    # another experiment's files are never overwritten
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="holds other files"):
+        stability.report(tmp_path, tmp_path / "other")
