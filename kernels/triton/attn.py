@@ -246,15 +246,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cu_ptr, wm_ptr, wl_ptr, wac
 
 
 @triton.jit
-def _attn_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, pos_ptr, o_ptr, Hq, NC, so_t, so_h,
-                       DV: tl.constexpr, BLOCK_DV: tl.constexpr, KV_CHUNK: tl.constexpr):
-    """out[(q, h)] = merge of its chunk states in chunk order (same operations as _rows_chunked)."""
-    row = tl.program_id(0).to(tl.int64)
-    t = row // Hq
-    h = row % Hq
-    p = tl.load(pos_ptr + t)
-    nc = p // KV_CHUNK + 1
-    rdv = tl.arange(0, BLOCK_DV)
+def _fold_chunks(wm_ptr, wl_ptr, wacc_ptr, row, NC, nc, rdv, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Row ``row``'s first ``nc`` chunk states (workspace stride ``NC``) folded in chunk order from
+    (-inf, 0, 0) with ``_merge`` (the operations of _rows_chunked), then ``_finish``: ``[1, BLOCK_DV]``."""
     mv = rdv < DV
     M = tl.full((1,), float("-inf"), tl.float32)
     L = tl.zeros((1,), tl.float32)
@@ -264,8 +258,20 @@ def _attn_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, pos_ptr, o_ptr, Hq, NC, so_t, s
         l_c = tl.load(wl_ptr + row * NC + c + tl.zeros((1,), tl.int32))
         acc_c = tl.load(wacc_ptr + (row * NC + c) * DV + rdv[None, :], mask=mv[None, :], other=0.0)
         M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
-    out = _finish(L, ACC)
-    tl.store(o_ptr + t * so_t + h * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty), mask=mv[None, :])
+    return _finish(L, ACC)
+
+
+@triton.jit
+def _attn_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, pos_ptr, o_ptr, Hq, NC, so_t, so_h,
+                       DV: tl.constexpr, BLOCK_DV: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """out[(q, h)] = merge of its chunk states in chunk order (same operations as _rows_chunked)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // Hq
+    h = row % Hq
+    p = tl.load(pos_ptr + t)
+    rdv = tl.arange(0, BLOCK_DV)
+    out = _fold_chunks(wm_ptr, wl_ptr, wacc_ptr, row, NC, p // KV_CHUNK + 1, rdv, DV, BLOCK_DV)
+    tl.store(o_ptr + t * so_t + h * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty), mask=rdv[None, :] < DV)
 
 
 def attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -412,20 +418,11 @@ def _paged_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, cu_ptr, seqlen_ptr, o_ptr, Hq,
     q0 = tl.load(cu_ptr + b)
     nq = tl.load(cu_ptr + b + 1) - q0
     if nq == 1:
-        nc = tl.cdiv(tl.load(seqlen_ptr + b), KV_CHUNK)
         rdv = tl.arange(0, BLOCK_DV)
-        mv = rdv < DV
-        M = tl.full((1,), float("-inf"), tl.float32)
-        L = tl.zeros((1,), tl.float32)
-        ACC = tl.zeros((1, BLOCK_DV), tl.float32)
-        for c in range(0, nc):
-            m_c = tl.load(wm_ptr + row * NC + c + tl.zeros((1,), tl.int32))
-            l_c = tl.load(wl_ptr + row * NC + c + tl.zeros((1,), tl.int32))
-            acc_c = tl.load(wacc_ptr + (row * NC + c) * DV + rdv[None, :], mask=mv[None, :], other=0.0)
-            M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
-        out = _finish(L, ACC)
+        out = _fold_chunks(wm_ptr, wl_ptr, wacc_ptr, row, NC, tl.cdiv(tl.load(seqlen_ptr + b), KV_CHUNK), rdv, DV,
+                           BLOCK_DV)
         tl.store(o_ptr + q0.to(tl.int64) * so_t + h * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=mv[None, :])
+                 mask=rdv[None, :] < DV)
 
 
 # split-KV decode: aim at this many programs per SM (host sizes only: a captured graph keeps its split)

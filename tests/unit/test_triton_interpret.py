@@ -52,6 +52,18 @@ for b, L in enumerate(lens):
     s = torch.einsum("hd,lhd->hl", q[b].double(), kk) * D ** -0.5
     ref = torch.einsum("hl,lhd->hd", s.softmax(-1), vv)
     assert (one[b].double() - ref).abs().max() < 1e-5, b
+# the contiguous cache's split decode (attention_batched) folds with the same helper
+kcont = torch.zeros(len(lens), max(lens), Hkv, D)
+vcont = torch.zeros_like(kcont)
+for b, L in enumerate(lens):
+    p = torch.arange(L)
+    kcont[b, :L] = kc[bt[b, p // PAGE].long(), :, p % PAGE]
+    vcont[b, :L] = vc[bt[b, p // PAGE].long(), :, p % PAGE]
+cu1 = torch.arange(len(lens) + 1, dtype=torch.int32)
+pos = torch.tensor(lens) - 1
+for split in (True, False):
+    ob = A.attention_batched(q, kcont, vcont, cu1, pos, D ** -0.5, max_q_len=1, split_kv=split)
+    assert torch.equal(ob, one), split
 assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(256, 4, 16, 132) == 1
 assert A.decode_splits(64, 4, 3, 132) == 3
 
