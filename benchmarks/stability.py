@@ -138,12 +138,14 @@ def _median(xs):
     return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
-def leg_figures(run_dir: Path) -> dict:
+def leg_figures(run_dir: Path, limit: int | None = None) -> dict:
+    """The leg's figures over its first ``limit`` updates (all by default)."""
     from megatron_rz.loop.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
-    tr = [r for r in rows if "max_abs_dlogp" in r]
-    ev = [r for r in rows if isinstance(r.get("eval_reward"), (int, float))]
+    tr = [r for r in rows if "max_abs_dlogp" in r][:limit]
+    last = tr[-1]["step"] if tr else 0
+    ev = [r for r in rows if isinstance(r.get("eval_reward"), (int, float)) and r["step"] <= last]
     if not tr:
         return {"updates": 0}
     tenth = max(1, len(tr) // 10)
@@ -207,13 +209,17 @@ def report(root: Path, out: Path) -> dict:
         both = [d for d in legs if d.name in (f"aligned_lag{lag}", f"fast_lag{lag}")]
         plot_compare(both, out / f"plots_lag{lag}", labels=[d.name for d in both])
         if a.get("updates") and fa.get("updates"):
+            # side by side over the updates both legs have: the same prefix of the same schedule
             n = min(a["updates"], fa["updates"])
-            res["lags"][str(lag)] = {
-                "updates_compared": n,
-                "fast_over_aligned_d3_peak_over_median": (fa["d3_peak_over_median"] / a["d3_peak_over_median"])
-                if a.get("d3_peak_over_median") and fa.get("d3_peak_over_median") else None,
-                "fast_over_aligned_grad_norm_max": (fa["grad_norm_max"] / a["grad_norm_max"]) if a.get("grad_norm_max") else None,
-            }
+            a_n = leg_figures(root / f"aligned_lag{lag}", n)
+            f_n = leg_figures(root / f"fast_lag{lag}", n)
+            ratio = {k: (f_n[k] / a_n[k]) if isinstance(a_n.get(k), float) and a_n[k] and isinstance(f_n.get(k), float)
+                     else None for k in ("d3_peak_over_median", "d3_median", "grad_norm_max", "is_weight_max")}
+            res["lags"][str(lag)] = {"updates_compared": n, "aligned": a_n, "fast": f_n,
+                                     **{f"fast_over_aligned_{k}": v for k, v in ratio.items()}}
+            lines.append(f"| lag {lag}, first {n} updates: fast / aligned | D3 peak/median {f(ratio['d3_peak_over_median'])}, "
+                         f"D3 median {f(ratio['d3_median'])}, max grad norm {f(ratio['grad_norm_max'])}, "
+                         f"max IS weight {f(ratio['is_weight_max'])} |")
     lines += ["", "Overlay plots per lag: `plots_lag<L>/` (rz plot's comparison figures).", ""]
     (out / "report.json").write_text(json.dumps(res, indent=1))
     (out / "report.md").write_text("\n".join(lines) + "\n")
