@@ -565,8 +565,11 @@ class RolloutEngine:
         return self._rpc(method, *args)
 
     def _rpc(self, method: str, *args: Any) -> list:
+        # watched as generate is: an engine core killed during an RPC (a weight push into a dying
+        # engine) is named within the watch's poll, not after rpc_timeout_s
         with self.guard(f"collective_rpc {method}"):
-            return self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
+            return self._watched(lambda: self.llm.collective_rpc(method, timeout=self.rpc_timeout_s, args=args),
+                                 f"collective_rpc {method}")
 
     # ---- localisation (rz check) ----------------------------------------------------------------
     def traced_generate(self, prompt_ids: list[int], **kw) -> tuple[Sample, list[tuple[str, torch.Tensor]]]:
