@@ -1,6 +1,6 @@
 """Structure rules of the code base, read from the source with ``ast`` (nothing is imported).
 
-Rules (docs: /work/shared/ARCHITECTURE.md, README "Architecture"): no import circles among the
+Rules (docs: ../shared/ARCHITECTURE.md, README "Architecture"): no import circles among the
 project modules (function-level imports included); ``kernels`` imports neither vLLM nor Megatron;
 ``vllm_bridge`` imports nothing from ``megatron_rz``; ``megatron_rz`` imports nothing from
 ``vllm_bridge.aligned``; no module reads another project module's private (``_x``) names;
