@@ -183,8 +183,11 @@ def report(root: Path, out: Path) -> dict:
     if not legs:
         raise SystemExit(f"stability: no legs with metrics under {root}")
     meta = json.loads((root / "experiment.json").read_text()) if (root / "experiment.json").is_file() else {}
-    if out.exists() and any(out.iterdir()) and not (out / "report.json").is_file():
-        raise SystemExit(f"stability: --out {out} holds other files; give a new directory")
+    if out.exists() and any(out.iterdir()):
+        rep = out / "report.json"
+        if not rep.is_file() or json.loads(rep.read_text()).get("experiment") != meta:
+            raise SystemExit(f"stability: --out {out} holds other files or another experiment's report; give a new "
+                             "directory")
     out.mkdir(parents=True, exist_ok=True)
     res = {"experiment": meta, "legs": {d.name: leg_figures(d) for d in legs}, "lags": {}}
     lags = sorted({int(d.name.split("lag")[1]) for d in legs})

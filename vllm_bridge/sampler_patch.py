@@ -111,7 +111,7 @@ class _FiniteChecks:
 
     RING = 64
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         self.flags = torch.ones(self.RING, dtype=torch.bool, pin_memory=True)
         self.events = [torch.cuda.Event() for _ in range(self.RING)]
         self.pending: list[int] = []  # ring slots in step order
@@ -170,7 +170,7 @@ def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -
     token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
     checks = getattr(sampler, "_rz_finite", None)
     if checks is None:
-        checks = sampler._rz_finite = _FiniteChecks(logits.device)
+        checks = sampler._rz_finite = _FiniteChecks()
     checks.push(torch.isfinite(token_lp).all())
     _trace(logits, token_lp)
     return sampled, lp

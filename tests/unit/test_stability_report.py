@@ -43,3 +43,9 @@ def test_report_figures_and_ratio(tmp_path):
     (tmp_path / "other" / "x.txt").write_text("keep")
     with pytest.raises(SystemExit, match="holds other files"):
         stability.report(tmp_path, tmp_path / "other")
+    # nor another experiment's report; the same experiment's report is rewritten
+    (tmp_path / "experiment.json").write_text(json.dumps({"recipe": "another"}))
+    with pytest.raises(SystemExit, match="another experiment"):
+        stability.report(tmp_path, tmp_path / "out")
+    (tmp_path / "experiment.json").unlink()
+    stability.report(tmp_path, tmp_path / "out")
