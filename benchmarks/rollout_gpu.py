@@ -225,9 +225,11 @@ ENGINE_KINDS = {
     "stock": (False, {}),  # vLLM's own class, CUDA graphs + torch.compile (its defaults)
     "stock_bi": (False, {"VLLM_BATCH_INVARIANT": "1"}),  # vLLM's own batch-invariant mode
     "aligned": (True, {}),  # the project's aligned class (RolloutEngine(aligned=True))
-    # the aligned class with the split-KV decode and the one-kernel MoE work list off (the plans
-    # before them; same bits, kernels.settings)
-    "aligned_base": (True, {"RZ_DECODE_SPLIT": "0", "RZ_FUSED_WORK_LIST": "0"}),
+    # the aligned class with the split-KV decode, the one-kernel MoE work list and the batched draw
+    # off (the plans before them; same logprob bits, kernels.settings)
+    "aligned_base": (True, {"RZ_DECODE_SPLIT": "0", "RZ_FUSED_WORK_LIST": "0", "RZ_BATCHED_DRAW": "0"}),
+    # the aligned class with vLLM's per-request noise draw instead of the batched one
+    "aligned_vdraw": (True, {"RZ_BATCHED_DRAW": "0"}),
 }
 
 
@@ -365,6 +367,7 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
 
     settings.set_decode_split(os.environ.get("RZ_DECODE_SPLIT", "1") != "0")
     settings.set_fused_work_list(os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0")
+    settings.set_batched_draw(os.environ.get("RZ_BATCHED_DRAW", "1") != "0")
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     eng = _engine(ckpt, aligned, mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
     res: dict = {"ckpt": ckpt, "engine": kind, "env": env, "cells": []}

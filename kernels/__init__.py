@@ -43,6 +43,7 @@ _EXPORTS = {
     "SamplingParams": "sampling",
     "truncation_active": "sampling",
     "untruncated": "sampling",
+    "untruncated_logprobs": "sampling",
     "row_temperature_supported": "dispatch",
     "quantize_act_groupwise": "dispatch",
     "fp8_gemm": "dispatch",

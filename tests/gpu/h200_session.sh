@@ -27,6 +27,8 @@
 #   profile  per-kernel split of the batch-256 cell, aligned and stock
 #   profile_rl  the RL cell 64 x 512 x 256: aligned, aligned_base (this round's decode plans off) and
 #          stock, each alone in its own process: wall, marginal decode step, kernels, host (cProfile)
+#   attn   decode attention alone: the aligned paged kernel at several split counts beside vLLM's
+#          FlashAttention, RL decode shapes (benchmarks/attn_decode_gpu.py; ATTN_SHAPES)
 #   bench_rl   the RL grid (rollout_gpu.py DEFAULT_CELLS), each engine alone in its own process, 5
 #          rounds per cell: BENCH_ENGINES (default stock,aligned), BENCH_SEEDED (default on), BENCH_CKPT
 set -u
@@ -153,6 +155,11 @@ PYEOF
         echo "rc=$? $e" >> "$d/summary.txt"
         grep -E "^== |Asynchronous scheduling|cudagraph|CUDA graph|Error|error" "$d/profile_rl_$e.log" | tail -12 | tee -a "$d/summary.txt"
       done ;;
+    attn)
+      "$PY" benchmarks/attn_decode_gpu.py --out "$d/attn_decode.json" ${ATTN_SHAPES:+--shapes $ATTN_SHAPES} \
+        > "$d/attn_decode.log" 2>&1
+      echo "rc=$? attn" >> "$d/summary.txt"
+      grep -E "^\{|Error|error" "$d/attn_decode.log" | tail -20 | tee -a "$d/summary.txt" ;;
     bench_rl)
       "$PY" benchmarks/rollout_gpu.py bench --ckpt "${BENCH_CKPT:-/root/ckpt/moe1b}" --out "$d/bench_rl.json" \
         --engines ${BENCH_ENGINES:-stock,aligned} --seeded ${BENCH_SEEDED:-on} --rounds ${BENCH_ROUNDS:-5} \

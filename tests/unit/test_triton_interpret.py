@@ -6,7 +6,9 @@ the same code, so a wrong index shows here without a GPU.
 * the split-KV paged decode (any number of programs per sequence) == the one-pass kernel,
   bitwise, with padded requests, and close to a float64 softmax attention;
 * the one-kernel MoE work list == the torch sort / scan work list, value for value;
-* RMSNorm read through the strides of q / k head slices == RMSNorm of their contiguous copies.
+* RMSNorm read through the strides of q / k head slices == RMSNorm of their contiguous copies;
+* the batched keyed draw: greedy rows argmax, draws inside a kept set, a keyed row's token the same
+  in any batch, frequencies of softmax(l / T) (chi-square).
 """
 
 import os
@@ -86,6 +88,26 @@ for t in (y[:, :128].reshape(7, 4, 32), y[:, 128:160].reshape(7, 1, 32), torch.r
     a = rms_norm(t, w, 1e-6)
     b = rms_norm(t.contiguous().reshape(-1, 32).clone(), w, 1e-6).reshape(t.shape)
     assert torch.equal(a, b) and a.is_contiguous(), tuple(t.shape)
+from kernels.triton.draw import gumbel_draw
+
+lg = torch.randn(6, 10, generator=g) * 2
+lg[2] = float("-inf")
+lg[2, 3], lg[2, 7] = 0.0, 1.0  # a kept set of two tokens
+temp = torch.tensor([1.0, 0.7, 1.0, 0.0, 2.0, 1.0])  # row 3 greedy
+keys = torch.tensor([[11, 5], [12, 0], [13, 9], [14, 1], [15, 2], [2**62 + 3, 2**40 + 7]], dtype=torch.int64)
+tok = gumbel_draw(lg, temp, keys)
+assert tok[3] == lg[3].argmax() and int(tok[2]) in (3, 7)
+for rows in ([1, 2], [5], [4, 0, 3]):  # a keyed row draws the same token in any batch
+    assert torch.equal(gumbel_draw(lg[rows], temp[rows], keys[rows]), tok[rows]), rows
+unkeyed = gumbel_draw(lg, temp, base_seed=99)
+assert unkeyed[3] == lg[3].argmax() and int(unkeyed[2]) in (3, 7)
+M = 300  # one row, 300 keys (counters 0..299): frequencies against softmax(l / T), chi-square df 9
+rows = lg[4:5].repeat(M, 1)
+d = gumbel_draw(rows, torch.full((M,), 2.0), torch.stack([torch.full((M,), 7), torch.arange(M)], 1))
+p = torch.softmax(lg[4] / 2.0, -1).double()
+chi2 = float((((torch.bincount(d, minlength=10).double() - M * p) ** 2) / (M * p)).sum())
+assert chi2 < 27.9, chi2  # the 0.1% tail of chi-square(9); deterministic (fixed keys)
+assert len(set(d.tolist())) > 5
 print("interpreted kernels OK")
 '''
 

@@ -1,0 +1,90 @@
+"""One-launch random draw for a whole sampling batch (Triton): a Gumbel-max race keyed per row.
+
+``gumbel_draw(logits[N, V], temperature[N], keys=None | int64 [N, 2], base_seed)`` -> int64 ``[N]``:
+
+* row r's key is ``(seed, counter)``: ``keys[r]`` when given (a seeded request: its seed and how
+  many draws it has made), else ``(base_seed, r)`` (unseeded rows: one fresh seed per step, the
+  row index as counter);
+* the noise of column v is Philox-4x32 on the counter block ``(v, counter_lo, counter_hi, 0)``
+  under the key ``seed``: a function of (seed, counter, v) only, so a row's token never depends on
+  the batch it is in, its row index (keyed rows), the other rows or the vocabulary's tiling;
+* ``u = (bits >> 8 + 0.5) / 2**24`` is strictly inside (0, 1), ``g = -log(-log u)`` is finite, and
+  the token is ``argmax_v(logits[v] / T + g_v)`` (first index on ties): an exact sample of
+  ``softmax(logits / T)``; a ``-inf`` logit never wins, so a draw stays inside a kept set;
+* a row with ``T < eps`` is greedy: ``argmax_v logits[v]``, no noise (vLLM's convention).
+
+This is the draw only: the reported log-probabilities come from ``kernels.sampling`` /
+``kernels.triton.logprobs`` (the learner's functions), whichever token the race picks. vLLM's own
+``random_sample`` launches one exponential-noise kernel per seeded request per step (a host call
+each); this is one launch for the batch and no per-row host work beyond the keys.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gumbel_draw", "BLOCK"]
+
+BLOCK = 4096  # vocabulary columns per loop iteration (free: the race's result does not depend on it)
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, eps,
+                 KEYED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.load(temp_ptr + row)
+    greedy = t < eps
+    t_safe = tl.where(greedy, 1.0, t)
+    if KEYED:
+        seed = tl.load(keys_ptr + 2 * row)
+        counter = tl.load(keys_ptr + 2 * row + 1)
+    else:
+        seed = base_seed.to(tl.int64)
+        counter = row.to(tl.int64)
+    c1 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c2 = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    base = logits_ptr + row.to(tl.int64) * stride
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < V
+        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        zero = (cols * 0).to(tl.uint32)
+        r0, _, _, _ = tl.philox(seed, cols.to(tl.uint32), zero + c1, zero + c2, zero)
+        u = ((r0 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = -tl.log(-tl.log(u))
+        s = tl.where(greedy, x, x / t_safe + g)
+        s = tl.where(ok, s, float("-inf"))
+        m = tl.max(s, axis=0)
+        i = tl.argmax(s, axis=0, tie_break_left=True).to(tl.int64) + start
+        take = m > best
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, m, best)
+    tl.store(out_ptr + row, best_i)
+
+
+def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, keys: Optional[torch.Tensor] = None,
+                base_seed: int = 0, eps: float = 1e-5) -> torch.Tensor:
+    """Token ids ``[N]`` (int64) drawn from ``softmax(logits / T)`` row by row (greedy where
+    ``T < eps``); ``keys``: int64 ``[N, 2]`` (seed, counter) per row, or None for ``(base_seed, row)``."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError("gumbel_draw: logits must be [N, V] with a contiguous last dim")
+    N, V = logits.shape
+    out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    if N == 0:
+        return out
+    temp = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
+    if temp.numel() != N:
+        raise ValueError("gumbel_draw: one temperature per row")
+    keyed = keys is not None
+    if keyed and (keys.shape != (N, 2) or keys.dtype != torch.int64):
+        raise ValueError("gumbel_draw: keys must be int64 [N, 2] (seed, counter)")
+    kp = keys.contiguous() if keyed else out  # unread when not keyed
+    _draw_kernel[(N,)](logits, temp, kp, out, V, logits.stride(0), int(base_seed) & ((1 << 62) - 1), float(eps),
+                       KEYED=keyed, BLOCK=min(BLOCK, triton.next_power_of_2(V)), num_warps=8 if V >= 8192 else 4)
+    return out
