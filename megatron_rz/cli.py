@@ -165,6 +165,9 @@ def cmd_train(args) -> int:
 
 def cmd_check(args) -> int:
     recipe = _load(args)
+    from megatron_rz.launch.rundir import writable_dir
+
+    writable_dir(recipe.run_dir, "logging.run_dir")
     extra = ["--prompts", str(args.prompts), "--samples", str(args.samples)]
     for fault in args.inject_fault or []:
         extra += ["--inject-fault", fault]
@@ -178,6 +181,9 @@ def cmd_check(args) -> int:
 
 def cmd_bench(args) -> int:
     recipe = _load(args)
+    from megatron_rz.launch.rundir import writable_dir
+
+    writable_dir(recipe.run_dir, "logging.run_dir")
     from megatron_rz.tools.bench import main_bench
 
     return main_bench(recipe, args.what, args.rounds, args.lags)
@@ -201,8 +207,10 @@ def cmd_make_model(args) -> int:
     if recipe.model.pretrained:
         raise RecipeError(f"model.pretrained={recipe.model.pretrained!r}: make-model builds the tiny warm-start "
                           "model; drop model.pretrained (that checkpoint is the model)")
+    from megatron_rz.launch.rundir import writable_dir
     from megatron_rz.learner.tiny_models import warm_start
 
+    writable_dir(out, "--out")
     info = warm_start(recipe, Path(args.out), seed=recipe.schedule.seed)
     print(json.dumps({"out": args.out, **info}))
     return 0
@@ -229,10 +237,14 @@ def cmd_plot(args) -> int:
 
     for d in args.run_dir:  # a truncated or foreign file: named with its line before any plot is drawn
         check_metrics_file(Path(d) / "metrics.jsonl")
+    from megatron_rz.launch.rundir import writable_dir
+
     if len(args.run_dir) == 1 and not args.out:
+        writable_dir(Path(args.run_dir[0]) / "plots", "RUN_DIR (its plots/)")
         written = plot_run(Path(args.run_dir[0]))
     else:
         labels = args.labels.split(",") if args.labels else None
+        writable_dir(args.out or "plots_compare", "--out")
         written = plot_compare([Path(d) for d in args.run_dir], Path(args.out or "plots_compare"), labels)
     for p in written:
         print(p)

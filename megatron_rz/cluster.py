@@ -29,7 +29,7 @@ MAX_SIGNAL_S = 65535
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def _check_name(v: str | None, what: str) -> str | None:

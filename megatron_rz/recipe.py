@@ -25,7 +25,7 @@ class RecipeError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # Ranges of numeric fields. A value outside one fails in load_recipe with one line naming the key,
@@ -632,11 +632,43 @@ def _check_ranges(recipe: Recipe) -> None:
 # ---------------------------------------------------------------- loading and overrides
 
 
-def _parse_value(text: str) -> Any:
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A YAML mapping that names one key twice (YAML keeps the last value silently; we refuse)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a repeated key, at any depth."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:  # the keys written here (a key over a `<<: *anchor` merge is no repeat)
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                if first is not None:
+                    raise DuplicateKeyError(None, None, f"duplicate key {key!r} (first at line {first})",
+                                            key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a mapping naming one key twice (any depth) raises DuplicateKeyError."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _parse_value(text: str, key: str = "override") -> Any:
     # YAML scalars: 3e-5 -> float, true -> bool, [1,2] -> list; keep plain strings as they are
     # (and text YAML cannot parse, e.g. "[+": the schema then names the key and the type it wants).
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
+    except DuplicateKeyError as e:
+        raise RecipeError(f"override {key}={text}: {e.problem} in one mapping; name each key once") from None
     except yaml.YAMLError:
         return text
     return text if value is None and text not in ("null", "~", "") else value
@@ -684,7 +716,7 @@ def apply_override(data: dict, dotted: str) -> None:
                 f"set it as {'.'.join(parts[: i + 1])}=VALUE")
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         if i == len(parts) - 1:
-            node[part] = _parse_value(raw)
+            node[part] = _parse_value(raw, key)
         else:
             child = node.setdefault(part, {})
             if child is None:  # `model:` with nothing under it in the YAML
@@ -720,6 +752,8 @@ def _one_error(e: dict) -> str:
     fix = ""
     if e["type"] in _OPS:
         msg = f"must be {_OPS[e['type']]} {e['ctx'][_LIMIT[e['type']]]}"
+    if e["type"] == "finite_number":  # nan, inf, -inf (allow_inf_nan=False on every section)
+        msg = "must be a finite number (nan and inf are refused)"
     if field is not None and not isinstance(field.default, BaseModel):
         fix = f"; e.g. {loc}={'null' if field.default is None else field.default} (the default)"
     if isinstance(value, (dict, list)) and len(repr(value)) > 60:
@@ -749,7 +783,10 @@ def read_recipe_file(path: str | Path) -> dict:
     except OSError as e:
         raise RecipeError(f"recipe {p} cannot be read ({e.strerror}); check its permissions") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except DuplicateKeyError as e:
+        raise RecipeError(f"recipe {p} line {e.problem_mark.line + 1}: {e.problem} in one mapping; YAML would keep "
+                          "the last value silently: keep one of them") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -776,9 +813,30 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     for ov in overrides:
         apply_override(data, ov)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as err:
         raise RecipeError(_format_errors(err, source)) from None
+    # typed float fields refuse nan / inf in pydantic (allow_inf_nan=False); free-form values
+    # (task.kwargs, a task's own options) are not typed, so they are walked here
+    key = _non_finite(recipe.model_dump())
+    if key is not None:
+        raise RecipeError(f"invalid recipe {source}: {key[0]}={key[1]}: must be a finite number (nan and inf are "
+                          f"refused); set {key[0]} to a finite value or drop it")
+    return recipe
+
+
+def _non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
+    """(dotted key, value) of the first nan / inf float anywhere in ``value``, or None."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        hit = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if hit is not None:
+            return hit
+    return None
 
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:

@@ -43,6 +43,53 @@ class RunDirError(RecipeError):
     """A run directory that cannot be used as asked (exit code 2, one line, like a bad recipe)."""
 
 
+def writable_dir(path: str | Path, key: str) -> Path:
+    """Make directory ``path`` (and its parents) and prove a file can be written in it, before a
+    command starts anything; else one RunDirError naming ``key`` (e.g. logging.run_dir, --out), the
+    reason and the fix. Directories made here are removed again when the write fails."""
+    writable_dirs([(path, key)])
+    return Path(path)
+
+
+def writable_dirs(dirs: list[tuple[str | Path, str]]) -> None:
+    """writable_dir for each (path, key); when one fails, the directories made for the others go too."""
+    made: list[Path] = []
+    try:
+        for path, key in dirs:
+            _writable(Path(path), key, made)
+    except RunDirError:
+        for d in reversed(made):  # deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def _writable(p: Path, key: str, made: list[Path]) -> None:
+    fix = f"name a directory this user can create and write ({key}=DIR)"
+    if p.exists() and not p.is_dir():
+        raise RunDirError(f"{key}={p}: {p} is a file, not a directory; {fix}")
+    missing = []
+    q = p
+    while not q.exists() and q != q.parent:
+        missing.append(q)
+        q = q.parent
+    if q.exists() and not q.is_dir():
+        raise RunDirError(f"{key}={p}: {q} is a file, so no directory can be made under it; {fix}")
+    probe = p / f".rz-write-test-{os.getpid()}"
+    try:
+        for d in reversed(missing):  # shallowest first, each recorded once made
+            d.mkdir(exist_ok=True)
+            made.append(d)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        what = "created" if missing else "written"
+        raise RunDirError(f"{key}={p}: the directory cannot be {what} ({e.strerror or type(e).__name__}"
+                          f"{f': {e.filename}' if e.filename else ''}); {fix}") from None
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of update ``step`` lives in a run directory."""
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
@@ -204,7 +251,7 @@ def claim_run_dir(recipe: Recipe, overwrite: bool = False, argv: list[str] | Non
             f"run dir {run_dir} holds the results{made}: {', '.join(found)}. Nothing was changed. Resume it with "
             f"checkpoint.load=latest, start a new run with {other}, or pass --overwrite to delete those "
             f"results (base models are kept)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(run_dir, "logging.run_dir")
     lock = _take_lock(run_dir)
     try:
         if found and overwrite and not resume:

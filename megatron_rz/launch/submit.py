@@ -207,7 +207,12 @@ def submit(recipe: Recipe, *, dry_run: bool = False, run_dir: str | None = None,
         out(r.script)
         out(plan_text)
         return None
-    r.log_dir.mkdir(parents=True, exist_ok=True)
+    from megatron_rz.launch.rundir import writable_dirs
+
+    # the directories the job writes: refused in one line before anything is written or submitted
+    runs = ((run_dir if "{" not in run_dir else Path(run_dir.split("{")[0]).parent, "--run-dir") if run_dir
+            else (_abs(recipe.cluster.run_root, r.workdir), "cluster.run_root"))
+    writable_dirs([runs, (r.log_dir, "cluster.log_dir")])
     dump_recipe(recipe, r.recipe_file)  # the job runs exactly this (overrides applied)
     r.script_file.write_text(r.script)
     out(plan_text)

@@ -60,7 +60,7 @@ def _sampling_fault(fault: str | None) -> tuple[dict, dict]:
     """``vllm:sampling.KEY=VALUE`` / ``learner:sampling.KEY=VALUE``: that side samples / scores with
     one sampling parameter changed (the localiser must then name the sampling stage).
     Returns (vLLM overrides, learner overrides)."""
-    import yaml
+    from megatron_rz.recipe import load_yaml
 
     if not fault:
         return {}, {}
@@ -71,7 +71,7 @@ def _sampling_fault(fault: str | None) -> tuple[dict, dict]:
     if not eq or key not in ("temperature", "top_k", "top_p"):
         raise ValueError(f"--inject-fault {fault!r}: expected SIDE:sampling.KEY=VALUE with KEY temperature, top_k "
                          "or top_p, e.g. vllm:sampling.top_p=0.8")
-    over = {key: yaml.safe_load(raw)}
+    over = {key: load_yaml(raw)}  # a repeated key refused (megatron_rz.recipe.load_yaml)
     if where == "vllm":
         return over, {}
     if where == "learner":
