@@ -11,6 +11,14 @@ from megatron_rz.recipe import Recipe
 NOT_RESULTS = {"checkpoint": {"load", "verify"}, "logging": {"progress", "plots", "wandb", "wandb_mode", "verbose"},
                "parallel": {"collective_timeout_s"}, "runtime": {"gemm_small_tiles", "native_cpu_kernels"}}
 BASE_FORMAT = 1  # bump when warm_start changes what it makes from the same settings
+# Task fields added after hashes were recorded: left out of both hashes while at their defaults, so
+# the hashes of recipes that do not use them stay what they were.
+LATER_TASK_DEFAULTS = {"max_turns": 4, "tool_timeout_s": 5.0, "tool_output_chars": 200, "tools": [],
+                       "lag_bound": "token"}
+
+
+def _task(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not (k in LATER_TASK_DEFAULTS and v == LATER_TASK_DEFAULTS[k])}
 
 
 def digest(obj) -> str:
@@ -24,7 +32,7 @@ def base_model_hash(recipe: Recipe, seed: int) -> str:
     ws = recipe.warm_start.model_dump()
     if ws.get("device") == "cpu":  # the default before the field existed: earlier hashes still hold
         ws.pop("device")
-    return digest({"format": BASE_FORMAT, "seed": int(seed), "task": recipe.task.model_dump(),
+    return digest({"format": BASE_FORMAT, "seed": int(seed), "task": _task(recipe.task.model_dump()),
                    "warm_start": ws,
                    "model": recipe.model.model_dump(exclude={"pretrained", "fp8"})})
 
@@ -32,6 +40,7 @@ def base_model_hash(recipe: Recipe, seed: int) -> str:
 def recipe_hash(recipe: Recipe) -> str:
     """Hash of the resolved recipe without the fields in NOT_RESULTS."""
     d = recipe.model_dump()
+    d["task"] = _task(d["task"])
     for section, keys in NOT_RESULTS.items():
         for k in keys:
             d[section].pop(k, None)

@@ -401,6 +401,12 @@ class TaskConfig(_Strict):
     # (share of correct samples, reward >= 1) and pass@k; 0: greedy accuracy only.
     eval_samples: NonNeg = 0
     eval_greedy: bool = True
+    # ---- agentic tasks (multi-turn tool use: megatron_rz/rl/agentic.py, docs/agentic.md)
+    max_turns: Pos = 4  # model turns per episode (rollout.max_new_tokens is per turn)
+    tool_timeout_s: PosF = 5.0  # a tool call running longer is killed; its reply says so (counted)
+    tool_output_chars: Pos = 200  # a tool's reply is cut to this many characters (counted)
+    tools: list[str] = []  # more tools, "package.module:function" (fn(arg: str) -> str), beside the task's own
+    lag_bound: Literal["token", "episode"] = "token"  # schedule.max_lag bounds each model token or each episode
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
@@ -421,6 +427,9 @@ class TaskConfig(_Strict):
         if not self.eval_greedy and not self.eval_samples:
             raise ValueError("task.eval_greedy=false with task.eval_samples=0 leaves nothing to evaluate; "
                              "set task.eval_samples=4 or task.eval_greedy=true")
+        for tool in self.tools:
+            if ":" not in tool:
+                raise ValueError(f"task.tools entry {tool!r}: name a function 'package.module:function'")
         for name in self.eval_sets:
             if not name or not set(name) <= _NAME_CHARS:
                 raise ValueError(f"task.eval_sets name {name!r}: use letters, digits and _ . - (it names metrics)")

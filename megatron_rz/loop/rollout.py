@@ -32,6 +32,7 @@ import torch
 from megatron_rz.rl.batch_filters import DynamicSamplingError, dynamic_sampling_keep, overlong_shaping
 from megatron_rz.recipe import Recipe
 from megatron_rz.loop.resume import step_rng
+from megatron_rz.rl import agentic
 from megatron_rz.rl.evaluation import evaluate as evaluate_task
 from megatron_rz.rl.tasks import Problem, make_task, prompt_text, score, step_problems
 
@@ -51,7 +52,10 @@ def shape_rewards(samples, problem: Problem, task, decode, recipe: Recipe) -> No
     reward shaping (DAPO overlong penalty) into s.reward."""
     algo, r = recipe.algo, recipe.rollout
     for s in samples:
-        s.reward, status = score(task, problem, decode(s.response_ids))
+        if "episode_reward" in s.info:  # an agentic episode: its environment scored it (megatron_rz.rl.agentic)
+            s.reward, status = s.info["episode_reward"], s.info.get("reward_status")
+        else:
+            s.reward, status = score(task, problem, decode(s.response_ids))
         s.info["task_reward"] = s.reward
         if status:
             s.info["reward_status"] = status
@@ -118,14 +122,18 @@ class RolloutSide:
 
     def evaluate(self) -> dict:
         """The held-out evaluation's metrics (megatron_rz.rl.evaluation): ``eval_reward`` (the first
-        set's greedy accuracy) and eval/<set>/greedy, avg@k, pass@1, pass@k for every eval set."""
+        set's greedy accuracy) and eval/<set>/greedy, avg@k, pass@1, pass@k for every eval set
+        (episodes for an agentic task: megatron_rz.rl.agentic.evaluate_episodes)."""
+        if agentic.environment_of(self.task) is not None:
+            return agentic.evaluate_episodes(self.engine, self.task, self, self.recipe)
         return evaluate_task(self.engine, self.task, self.encode, self.decode, self.recipe)
 
     def close_task(self) -> None:
-        """Stop the task's reward worker, if it has one."""
-        close = getattr(self.task, "close", None)
-        if close is not None:
-            close()
+        """Stop the task's reward worker and its environment's tool worker, if it has them."""
+        for obj in (self.task, agentic.environment_of(self.task)):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
 
 
 def connect_engine(recipe: Recipe, run_dir: Path):
@@ -192,7 +200,9 @@ class Producer:
     """Batch k of this run (update start_step + k + 1) from a generator; see the module docstring."""
 
     def __init__(self, recipe: Recipe, side: RolloutSide, gen, v0: int, start_step: int):
-        self.recipe, self.side, self.gen = recipe, side, gen
+        self.recipe, self.side = recipe, side
+        self.gen = agentic.make_generator(gen, side, recipe)  # episodes, for an agentic task
+        self.agentic = self.gen is not gen
         self.v0, self.start_step = int(v0), int(start_step)
         self.max_lag = recipe.schedule.max_lag
         self.total = recipe.schedule.steps - start_step
@@ -224,8 +234,9 @@ class Producer:
         b = self.batches[k]
         idx = len(b["problems"])
         b["problems"].append(problem)
+        episode = {"problem": problem} if self.agentic else {}
         self.gen.submit(self.side.encode([problem]), n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
-                        seed=seed, tag=(k, idx), **r.sampling_kwargs())
+                        seed=seed, tag=(k, idx), **episode, **r.sampling_kwargs())
 
     def collect(self, fg) -> None:
         """Rewards and shaping for one finished group; DAPO dynamic sampling drops a group whose
@@ -277,6 +288,7 @@ class Producer:
                 "dynamic_sampling_dropped": b["dropped"],
                 "reward_errors": b["reward_errors"],  # reward calls that raised (scored 0)
                 "reward_timeouts": b["reward_timeouts"],  # ... or ran past task.reward_timeout_s
+                **agentic.episode_counts(samples),  # turns, tool calls and faults of agentic episodes
             }
             self.blocked_s = self.swap_s = 0.0
             out.append((k, samples, meta))
@@ -308,8 +320,8 @@ class InlineRollout:
         self._new_producer()
 
     def _new_producer(self) -> None:
-        self.gen = BlockingGenerator(self.side.engine)
-        self.producer = Producer(self.recipe, self.side, self.gen, self.v0, self.start_step)
+        self.producer = Producer(self.recipe, self.side, BlockingGenerator(self.side.engine), self.v0, self.start_step)
+        self.gen = self.producer.gen  # (agentic tasks: the episodes over it)
 
     @property
     def engine(self):

@@ -63,6 +63,9 @@ class Batch:
     versions: torch.Tensor  # [B, S] long, weight version that produced each response token (-1 elsewhere)
     token_weight: torch.Tensor  # [B], B / (response tokens in the batch): token-level aggregation (DAPO)
     task_rewards: torch.Tensor  # [B], the task's reward before any shaping
+    # [B] long, the weight version an agentic episode started under (its first turn's submission;
+    # megatron_rz.rl.agentic); single-turn samples: their oldest token's version
+    episode_versions: torch.Tensor | None = None
 
 
 def build_batch(samples, pad_id: int) -> Batch:
@@ -75,14 +78,18 @@ def build_batch(samples, pad_id: int) -> Batch:
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         ids[i, : p + r] = torch.tensor(seqs[i])
-        mask[i, p : p + r] = 1.0
+        # multi-turn episodes: only the tokens the model sampled (environment tokens are context)
+        model = s.info.get("model_mask")
+        mask[i, p : p + r] = 1.0 if model is None else torch.tensor(model, dtype=torch.float32)
         old[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
         ver[i, p : p + r] = torch.tensor(s.versions, dtype=torch.long)
+    ver[mask == 0] = -1
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups = torch.tensor([s.group for s in samples])
     task_rewards = torch.tensor([s.info.get("task_reward", s.reward) for s in samples], dtype=torch.float32)
+    episode = torch.tensor([s.info.get("episode_version", s.min_version) for s in samples], dtype=torch.long)
     return Batch(ids, mask, old, rewards, group_advantages(rewards, groups), ver,
-                 token_weights_for_token_mean(mask), task_rewards)
+                 token_weights_for_token_mean(mask), task_rewards, episode)
 
 
 class RankZeroStopped(RolloutProcessError):
@@ -173,7 +180,8 @@ def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
             return written["sent_bytes"]
 
 
-def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: str = "full", verify: bool = True):
+def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: str = "full", verify: bool = True,
+                lag_bound: str = "token"):
     """Collective: batch k (of update ``step`` + 1) from the rollout on rank 0, broadcast, after the
     consumer-side lag-bound check. A dead local engine is restarted (the current weights re-pushed,
     ``verify``: and verified like every other sync) and the batch generated again with the same
@@ -186,9 +194,13 @@ def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: 
             try:
                 samples, meta = rollout.batch(k)
                 batch = build_batch(samples, rollout.pad_id)
-                oldest = int(batch.versions[batch.loss_mask.bool()].min())
+                # task.lag_bound: every model token's version, or every episode's start version
+                # (<= its tokens' versions), within max_lag of the learner's
+                unit = "episode" if lag_bound == "episode" else "token"
+                oldest = int(batch.episode_versions.min() if unit == "episode"
+                             else batch.versions[batch.loss_mask.bool()].min())
                 if oldest < learner.version - max_lag:
-                    raise RolloutProcessError(f"lag bound violated: learner version {learner.version}, oldest token "
+                    raise RolloutProcessError(f"lag bound violated: learner version {learner.version}, oldest {unit} "
                                        f"version {oldest}, max_lag {max_lag}")
                 payload = (batch, meta)
             except RolloutEngineError as e:
@@ -250,6 +262,17 @@ def lag_stats(versions: torch.Tensor, mask: torch.Tensor, learner_version: int, 
     }
     for j in range(max_lag + 1):
         out[f"frac_tokens_lag_{j}"] = (lag == j).sum().item() / n
+    return out
+
+
+def episode_lag_stats(episode_versions: torch.Tensor, learner_version: int, max_lag: int) -> dict:
+    """Per-episode lag (learner version - the version the episode started under) of agentic
+    episodes: mean, max and the histogram (share of episodes per lag 0..max_lag)."""
+    lag = learner_version - episode_versions
+    n = max(1, lag.numel())
+    out = {"episode_lag_mean": lag.double().mean().item(), "episode_lag_max": int(lag.max())}
+    for j in range(max_lag + 1):
+        out[f"frac_episodes_lag_{j}"] = (lag == j).sum().item() / n
     return out
 
 
@@ -320,7 +343,7 @@ def train(recipe: Recipe) -> dict:
             k = step - start_step
             t0 = time.perf_counter()
             batch, meta = fetch_batch(learner, rollout, k, step, max_lag, recipe.rollout.weight_sync,
-                                      recipe.rollout.verify_sync)
+                                      recipe.rollout.verify_sync, recipe.task.lag_bound)
             t1 = time.perf_counter()
 
             version = learner.version
@@ -353,6 +376,8 @@ def train(recipe: Recipe) -> dict:
                     "shaped_reward_mean": batch.rewards.mean().item(),
                     "response_len": resp.mean().item(),
                     **lag_stats(batch.versions, batch.loss_mask, version, max_lag),
+                    **(episode_lag_stats(batch.episode_versions, version, max_lag) if "agentic/episodes" in meta
+                       else {}),
                     **pure_lag0_bitwise(learner_logp, batch, version),
                     "weight_version": learner.version,
                     "max_lag_bound": max_lag,

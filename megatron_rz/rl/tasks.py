@@ -5,7 +5,8 @@ Built in: `arithmetic` (multi-digit arithmetic, exact-match reward; answers of a
 `chain_sum` (the sum of many numbers written out step by step: answers of 100+ tokens, reward on
 the final total), the toy tasks of the tiny models; `dataset` (local files through `datasets`,
 chat templates, math-verify / exact / user rewards: megatron_rz.rl.dataset_task) and
-`reasoning_gym` (its generators and scorers: megatron_rz.rl.gym_task). A user task plugs in through
+`reasoning_gym` (its generators and scorers: megatron_rz.rl.gym_task), `agentic_calc` (multi-turn:
+multiply with a calc tool; megatron_rz.rl.agentic, where an agentic task's ``env`` is described). A user task plugs in through
 the recipe as `task.name: "my_pkg.my_module:make_task"`; the factory receives the TaskConfig.
 
 Optional task methods the loop uses where present: ``score(problem, response) -> (reward, status)``
@@ -175,7 +176,7 @@ class ChainSum:
         return None if self.final_total(wrong) == self.final_total(problem.answer) else wrong
 
 
-BUILTIN = ("arithmetic", "chain_sum", "dataset", "reasoning_gym")
+BUILTIN = ("arithmetic", "chain_sum", "dataset", "reasoning_gym", "agentic_calc")
 
 
 def make_task(cfg: TaskConfig) -> Task:
@@ -187,6 +188,10 @@ def make_task(cfg: TaskConfig) -> Task:
         from megatron_rz.rl.gym_task import GymTask
 
         return GymTask(cfg)
+    if cfg.name == "agentic_calc":
+        from megatron_rz.rl.agentic import CalcTask
+
+        return CalcTask(cfg)
     if cfg.name == "arithmetic":
         return Arithmetic(cfg.digits, cfg.ops, cfg.eval_prompts, cfg.seed, **cfg.kwargs)
     if cfg.name == "chain_sum":
@@ -259,4 +264,6 @@ def describe_task(cfg: TaskConfig) -> str:
         return f"dataset {cfg.path} (reward {cfg.reward or 'math_verify'}{sets}; eval_samples {cfg.eval_samples})"
     if cfg.name == "reasoning_gym":
         return f"reasoning_gym {cfg.kwargs.get('dataset')} (reward {cfg.reward or 'its scorer'})"
+    if cfg.name == "agentic_calc":
+        return f"agentic_calc (multi-turn, calc tool, up to {cfg.max_turns} turns)"
     return f"{cfg.name} (built-in toy task)" if cfg.name in ("arithmetic", "chain_sum") else cfg.name
