@@ -36,7 +36,68 @@ from megatron_rz.launch.rundir import prepare_base_model
 from megatron_rz.loop.trainer import RolloutSide, build_batch
 
 
+PREFIX_BLOCK = 16  # agentic check: KV block size, so that earlier turns fill blocks the prefix cache reuses
+
+
+def _episode_scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int, sampling: dict) -> dict:
+    """Agentic task: the same episodes (same seeds) run all at once and one at a time, prefix cache
+    on; each turn's prompt is the conversation so far (megatron_rz.rl.agentic)."""
+    from megatron_rz.loop.rollout import BlockingGenerator
+    from megatron_rz.rl.agentic import make_generator
+
+    problems = side.task.sample(random.Random(recipe.schedule.seed + 7), num_prompts)
+    ids = side.encode(problems)
+    kw = dict(max_new_tokens=recipe.rollout.max_new_tokens, **sampling)
+    gen = make_generator(BlockingGenerator(side.engine), side, recipe)
+    gen.submit(ids, samples, seed=11, problems=problems, tag="batch", **kw)
+    batch = sorted((s for g in gen.drain() for s in g.samples), key=lambda s: (s.group, s.index_in_group))
+    alone = []
+    for i, (p, x) in enumerate(zip(problems, ids)):
+        for j in range(samples):  # episode j of prompt i alone, with the seed it had in the batch
+            gen.submit([x], 1, seed=11 + i * samples + j, problem=p, tag="alone", **kw)
+            (s,) = gen.drain()[0].samples
+            s.group, s.index_in_group = i, j
+            alone.append(s)
+    return {f"{num_prompts} concurrent x {samples} episodes": batch, "one episode at a time": alone}
+
+
+def _prefix_cache_hits(engine, conversations: list[list[int]]) -> int:
+    """Tokens vLLM's prefix cache serves when the finished conversations are asked for again (what
+    their turns left in the cache)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=c) for c in conversations],
+                               SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return int(sum(o.num_cached_tokens or 0 for o in outs))
+
+
+def _episode_report(side, samples_: list, batch, temperature: float) -> dict:
+    """What the agentic scenarios add: environment tokens (excluded, counted), turns and tool calls,
+    and every model token's rollout logprob against vLLM re-scoring the whole conversation in one
+    prefill (engine.score, torch.equal)."""
+    m = batch.loss_mask.bool()
+    rescored = side.engine.score([s.prompt_ids + s.response_ids for s in samples_], temperature=temperature)
+    S = batch.input_ids.shape[1]
+    one = torch.zeros_like(batch.old_logprobs)
+    for i, row in enumerate(rescored):
+        one[i, 1 : len(row)] = torch.tensor(row[1:], dtype=torch.float32)[: S - 1]
+    return {"model_tokens": int(m.sum()), "env_tokens_excluded": sum(s.info["env_tokens"] for s in samples_),
+            "episodes": len(samples_), "turns": sum(s.info["turns"] for s in samples_),
+            "tool_calls": sum(s.info["tool_calls"] for s in samples_),
+            "tool_faults": sum(s.info["tool_errors"] + s.info["tool_timeouts"] + s.info["tool_truncated"]
+                               for s in samples_),
+            "malformed_calls": sum(s.info["malformed_calls"] for s in samples_),
+            "multi_turn_episodes": sum(s.info["turns"] > 1 for s in samples_),
+            "one_prefill_bitwise": bool(torch.equal(one[m], batch.old_logprobs[m])),
+            "one_prefill_frac_bitwise": (one[m] == batch.old_logprobs[m]).double().mean().item() if m.any() else 1.0}
+
+
 def _scenarios(side: RolloutSide, recipe: Recipe, num_prompts: int, samples: int, sampling: dict) -> dict[str, list]:
+    from megatron_rz.rl.agentic import environment_of
+
+    if environment_of(side.task) is not None:
+        return _episode_scenarios(side, recipe, num_prompts, samples, sampling)
     rng = random.Random(recipe.schedule.seed + 7)
     problems = side.task.sample(rng, num_prompts)
     # Mixed lengths: drop a random number of leading prompt characters from some prompts.
@@ -131,7 +192,12 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
         from vllm_bridge.engine import fp8_checkpoint
 
         rollout_dir = fp8_checkpoint(base, recipe.model.fp8, run_dir / f"base_model_fp8_{recipe.model.fp8}")
-    side = RolloutSide(recipe, rollout_dir) if rank() == 0 else None
+    from megatron_rz.rl.agentic import environment_of
+    from megatron_rz.rl.tasks import make_task
+
+    agentic = environment_of(make_task(recipe.task)) is not None
+    extra = {"block_size": PREFIX_BLOCK, "enable_prefix_caching": True} if agentic else None
+    side = RolloutSide(recipe, rollout_dir, engine_extra=extra) if rank() == 0 else None
     faults = [inject_fault] if isinstance(inject_fault, str) else list(inject_fault or [])
     vllm_fault, learner_fault = {}, {}
     for fault in faults:
@@ -154,6 +220,7 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
             report["grid"].append({**one, **({"inject_fault": fault} if fault else {})})
         report["all_bitwise_equal"] = all(g["all_bitwise_equal"] for g in report["grid"])
     if side:
+        side.close_task()
         side.engine.close()
     return report
 
@@ -169,8 +236,11 @@ def _check_setting(recipe: Recipe, learner, side, rollout_dir, num_prompts: int,
         report.update(vllm_sampling=vllm_kw, learner_sampling=learner_kw)
     all_equal = True
     first_bad_prompt = None  # a prompt whose sample mismatched: the localiser replays it
+    episodes = {}
     for name, samples_ in scenarios.items():
         batch = build_batch(samples_, pad_id=0)
+        if samples_ and "model_mask" in samples_[0].info and side is not None:  # agentic episodes
+            episodes[name] = _episode_report(side, samples_, batch, learner_kw.get("temperature", 1.0))
         B, S = batch.input_ids.shape
         variants = {f"micro-batch {m}": (m, 0) for m in sorted({B, 5, 1})}
         variants["micro-batch 5, 7 extra pad columns"] = (5, 7)  # another padded length
@@ -188,6 +258,16 @@ def _check_setting(recipe: Recipe, learner, side, rollout_dir, num_prompts: int,
                 m = batch.loss_mask.bool()
                 bad_rows = ((logp != batch.old_logprobs) & m).any(dim=1).nonzero()
                 first_bad_prompt = list(samples_[int(bad_rows[0])].prompt_ids)
+    episodes = broadcast_object(episodes)
+    if episodes:
+        a, b = list(scenarios.values())
+        same = all(x.response_ids == y.response_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
+        report["episodes"] = {"scenarios": episodes, "block_size": PREFIX_BLOCK,
+                              "identical_alone_vs_batch": same and len(a) == len(b),
+                              "prefix_cache_hit_tokens": broadcast_object(
+                                  _prefix_cache_hits(side.engine, [s.prompt_ids + s.response_ids for s in a])
+                                  if side else None)}
+        all_equal &= same and all(e["one_prefill_bitwise"] for e in episodes.values())
     report["all_bitwise_equal"] = all_equal
     if not all_equal and recipe.mode == "aligned":
         from megatron_rz.tools.localise import localise
@@ -222,6 +302,15 @@ def _print_setting(report: dict, one: dict) -> None:
                   f"{s['d3']:.3g}", f"{s['kl_k1']:.3g}")
     c = Console()
     c.print(t)
+    if one.get("episodes"):
+        e = one["episodes"]
+        for name, x in e["scenarios"].items():
+            c.print(f"episodes, {name}: {x['episodes']} episodes, {x['turns']} turns ({x['multi_turn_episodes']} "
+                    f"multi-turn), {x['tool_calls']} tool calls ({x['tool_faults']} faults), {x['malformed_calls']} "
+                    f"malformed; {x['model_tokens']} model tokens checked, {x['env_tokens_excluded']} environment "
+                    f"tokens excluded; re-scored in one prefill: {100 * x['one_prefill_frac_bitwise']:.2f}% bitwise")
+        c.print(f"episodes alone == in the batch (tokens and logprobs): {e['identical_alone_vs_batch']}; prefix cache "
+                f"(block {e['block_size']}) served {e['prefix_cache_hit_tokens']} tokens of the finished conversations")
     if one.get("localisation"):
         loc = one["localisation"]
         c.print(f"[bold]localisation[/bold]: {loc['summary']}")
