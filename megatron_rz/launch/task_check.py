@@ -18,7 +18,7 @@ import tempfile
 from megatron_rz.recipe import Recipe, RecipeError
 from megatron_rz.rl.tasks import make_task, prompt_text
 
-DATA_TASKS = ("dataset", "reasoning_gym")
+DATA_TASKS = ("dataset", "reasoning_gym", "agentic_calc")  # (agentic_calc: its task.tools imported)
 
 
 def _tokenizer(recipe: Recipe, task, tmp: str):

@@ -41,7 +41,7 @@ from typing import Any, Callable, Protocol
 
 from megatron_rz.recipe import RecipeError, TaskConfig
 from megatron_rz.rl.problem import Problem
-from megatron_rz.rl.tools import ToolWorker, tool_path
+from megatron_rz.rl.tools import ToolWorker, resolve as resolve_tool, tool_path
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed (its seed) + t * this
 COUNTERS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated", "malformed_calls",
@@ -77,6 +77,12 @@ class ToolEnv:
     def __init__(self, tools: list[Callable | str], *, max_turns: int, timeout_s: float, max_chars: int,
                  reply: str = "[{}]", answer: Callable[[Problem], str] = lambda p: p.answer):
         paths = [tool_path(t) for t in tools]
+        for p in paths:  # imported here too, so that a bad one is refused before the run starts
+            try:
+                resolve_tool(p)
+            except Exception as e:  # noqa: BLE001
+                raise RecipeError(f"task.tools: {p!r} could not be imported ({type(e).__name__}: {e}); name a "
+                                  "function 'package.module:function' importable here (fn(arg: str) -> str)") from None
         self.tools = {p.partition(":")[2]: p for p in paths}
         if not self.tools:
             raise RecipeError("an agentic task needs at least one tool (task.tools)")
@@ -181,6 +187,14 @@ class CalcTask:
 
     def eval_set(self) -> list[Problem]:
         return list(self._eval)
+
+    def all_problems(self):
+        """(where, problem): the held-out prompts and 200 training draws (the prompt-length check)."""
+        yield from ((f"agentic_calc held-out prompt {i + 1}", p) for i, p in enumerate(self._eval))
+        yield from (("agentic_calc training prompt", p) for p in self.sample(random.Random(0), 200))
+
+    def close(self) -> None:
+        self.env.close()
 
     def reward(self, problem: Problem, response: str) -> float:
         """A single response's text (no episode): exact match with the product."""
@@ -310,8 +324,13 @@ class EpisodeGenerator:
             ep.mask += [1] * len(s.response_ids)
             ep.finish_reason = s.finish_reason
             ep.turns.append(self.decode(s.response_ids))
-            reply = self.env.env_response(self._groups[ep.group_key].problem, ep.turns, ep.state)
-            if reply is None or len(ep.turns) >= self.env.max_turns:
+            # the last allowed turn gets no reply (a tool it calls is not run)
+            last = len(ep.turns) >= self.env.max_turns
+            reply = None if last else self.env.env_response(self._groups[ep.group_key].problem, ep.turns, ep.state)
+            if reply is None:
+                self._end(ep)
+            elif len(ep.prompt) + len(ep.ids) + len(self.encode(reply)) >= self.max_model_len:
+                ep.state["context_full"] = True  # no room for the reply and a next turn
                 self._end(ep)
             else:
                 reply_ids = self.encode(reply)

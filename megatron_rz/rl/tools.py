@@ -11,7 +11,7 @@ cannot stop the run:
 * a tool that runs past ``timeout_s`` (task.tool_timeout_s): the child is killed and replaced, the
   reply says so, status "timeout";
 * a reply longer than ``max_chars`` (task.tool_output_chars) is cut there in the child (a huge
-  output never crosses the pipe), status "truncated";
+  output never crosses the pipe), status "truncated"; error replies are cut to it too;
 * a worker that dies during a call: status "error", a fresh one takes the next call.
 
 Every status is counted (``counts``), the first few printed.
@@ -133,21 +133,21 @@ class ToolWorker:
         except (BrokenPipeError, EOFError, OSError) as e:
             self.close()
             self._note("error", f"the tool worker died ({e})")
-            return f"error: the tool {name} crashed", "error"
+            return f"error: the tool {name} crashed"[: self.max_chars], "error"
         if not ready:
             self.close()  # kills the call: a fresh worker takes the next one
             self._note("timeout", f"{name} ran past task.tool_timeout_s={self.timeout_s:g} s")
-            return f"error: {name} timed out after {self.timeout_s:g} s", "timeout"
+            return f"error: {name} timed out after {self.timeout_s:g} s"[: self.max_chars], "timeout"
         try:
             kind, text, cut = self._conn.recv()
         except (EOFError, OSError, ValueError):
             code = self._proc.wait(timeout=5) if self._proc is not None else None
             self.close()
             self._note("error", f"the tool worker died during {name} (exit code {code})")
-            return f"error: the tool {name} crashed", "error"
+            return f"error: the tool {name} crashed"[: self.max_chars], "error"
         if kind == "error":
             self._note("error", f"{name}: {text}")
-            return f"error: {text}", "error"
+            return f"error: {text}"[: self.max_chars], "error"
         if cut:
             self._note("truncated", name)
             return text, "truncated"
