@@ -33,7 +33,7 @@ from megatron_rz.rl.batch_filters import DynamicSamplingError, dynamic_sampling_
 from megatron_rz.recipe import Recipe
 from megatron_rz.loop.resume import step_rng
 from megatron_rz.rl import agentic
-from megatron_rz.rl.evaluation import evaluate as evaluate_task
+from megatron_rz.rl.evaluation import evaluate as evaluate_task, evaluate_episodes
 from megatron_rz.rl.tasks import Problem, make_task, prompt_text, score, step_problems
 
 REFILL_SEED_STRIDE = 7919  # the r-th refill of a batch: seed offset r * this
@@ -125,7 +125,8 @@ class RolloutSide:
         set's greedy accuracy) and eval/<set>/greedy, avg@k, pass@1, pass@k for every eval set
         (episodes for an agentic task: megatron_rz.rl.agentic.evaluate_episodes)."""
         if agentic.environment_of(self.task) is not None:
-            return agentic.evaluate_episodes(self.engine, self.task, self, self.recipe)
+            return evaluate_episodes(lambda: agentic.make_generator(BlockingGenerator(self.engine), self, self.recipe),
+                                     self.task, self.encode, self.recipe)
         return evaluate_task(self.engine, self.task, self.encode, self.decode, self.recipe)
 
     def close_task(self) -> None:

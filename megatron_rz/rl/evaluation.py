@@ -13,7 +13,7 @@ files, else one set "heldout") and the current weights:
   ran out of time (scored 0).
 
 ``eval_reward`` (the plots' and summary's held-out figure) is the first set's greedy accuracy, or
-its avg@k when task.eval_greedy is false.
+its avg@k when task.eval_greedy is false. Agentic tasks (megatron_rz.rl.agentic): ``evaluate_episodes``.
 """
 
 from __future__ import annotations
@@ -63,4 +63,50 @@ def evaluate(engine, task, encode, decode, recipe) -> dict:
             first = out[f"{key}/greedy"] if t.eval_greedy else out[f"{key}/avg@{k}"]
     out["eval_reward"] = first
     out["eval/reward_errors"], out["eval/reward_timeouts"] = status["error"], status["timeout"]
+    return out
+
+
+def evaluate_episodes(new_generator, task, encode, recipe) -> dict:
+    """Held-out evaluation of an agentic task (megatron_rz.rl.evaluation's keys): greedy episodes
+    (eval/<set>/greedy, eval_reward), with task.eval_samples = k also sampled ones (avg@k, pass@1,
+    pass@k), and the greedy episodes' tool use (eval/<set>/tool_call_rate, turns_mean,
+    malformed_calls). ``new_generator()``: a fresh megatron_rz.rl.agentic.EpisodeGenerator on the
+    engine (the rollout side makes it)."""
+    t, r = recipe.task, recipe.rollout
+    out: dict = {}
+    errors = 0
+
+    def run(problems, n, seed, **kw):
+        nonlocal errors
+        gen = new_generator()
+        ids = encode(problems)
+        for i, (p, x) in enumerate(zip(problems, ids)):
+            gen.submit([x], n, seed=seed + i * n, tag=i, problem=p, max_new_tokens=r.max_new_tokens, **kw)
+        groups = sorted(gen.drain(), key=lambda g: g.tag)
+        errors += sum(s.info.get("reward_status") == "error" for g in groups for s in g.samples)
+        return groups
+
+    first = None
+    for name, problems in eval_sets(task).items():
+        key = f"eval/{name}"
+        if t.eval_greedy:
+            groups = run(problems, 1, 0, temperature=0.0, top_p=1.0)
+            eps = [g.samples[0] for g in groups]
+            out[f"{key}/greedy"] = sum(s.info["episode_reward"] for s in eps) / len(problems)
+            out[f"{key}/tool_call_rate"] = sum(s.info["tool_calls"] > 0 for s in eps) / len(eps)
+            out[f"{key}/turns_mean"] = sum(s.info["turns"] for s in eps) / len(eps)
+            out[f"{key}/malformed_calls"] = sum(s.info["malformed_calls"] for s in eps)
+        k = t.eval_samples
+        if k:
+            groups = run(problems, k, recipe.schedule.seed * 7 + EVAL_SEED, **r.sampling_kwargs())
+            per = [[s.info["episode_reward"] for s in g.samples] for g in groups]
+            n = len(problems)
+            out[f"{key}/avg@{k}"] = sum(sum(v) / len(v) for v in per) / n
+            out[f"{key}/pass@1"] = sum(sum(x >= CORRECT for x in v) / len(v) for v in per) / n
+            if k > 1:
+                out[f"{key}/pass@{k}"] = sum(any(x >= CORRECT for x in v) for v in per) / n
+        if first is None:
+            first = out[f"{key}/greedy"] if t.eval_greedy else out[f"{key}/avg@{k}"]
+    out["eval_reward"] = first
+    out["eval/reward_errors"], out["eval/reward_timeouts"] = errors, 0
     return out
