@@ -94,7 +94,7 @@ def plots(runs: dict[int, Path], out: Path) -> list[Path]:
     series = {
         "agentic_d3.png": ([("d3", "D3 = mean(w - 1 - log w)")], "symlog"),
         "agentic_is_weights.png": ([("is_w_max", "IS weight max"), ("is_w_min", "IS weight min"),
-                                    ("is_w_mean", "IS weight mean")], "linear"),
+                                    ("is_w_mean", "IS weight mean")], "log"),
         "agentic_kl.png": ([("kl_k1", "KL k1 (rollout || learner)")], "symlog"),
         "agentic_grad_norm.png": ([("grad_norm", "grad norm (before clipping)")], "linear"),
         "agentic_train_reward.png": ([("reward_mean", "train reward (episodes)")], "linear"),
@@ -113,6 +113,8 @@ def plots(runs: dict[int, Path], out: Path) -> list[Path]:
                     ax.plot(xs, ys, label=f"{label}, max_lag={lag}", lw=1.2)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=1e-6)
+        elif scale == "log":
+            ax.set_yscale("log")
         ax.set_xlabel("update")
         ax.set_title(fname.removesuffix(".png").replace("_", " "))
         ax.grid(alpha=0.3)
