@@ -195,7 +195,10 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     from megatron_rz.rl.agentic import environment_of
     from megatron_rz.rl.tasks import make_task
 
-    agentic = environment_of(make_task(recipe.task)) is not None
+    probe = make_task(recipe.task)
+    agentic = environment_of(probe) is not None
+    for obj in (probe, environment_of(probe)):
+        getattr(obj, "close", lambda: None)()
     extra = {"block_size": PREFIX_BLOCK, "enable_prefix_caching": True} if agentic else None
     side = RolloutSide(recipe, rollout_dir, engine_extra=extra) if rank() == 0 else None
     faults = [inject_fault] if isinstance(inject_fault, str) else list(inject_fault or [])
