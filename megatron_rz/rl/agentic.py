@@ -45,7 +45,7 @@ from megatron_rz.rl.tools import ToolWorker, resolve as resolve_tool, tool_path
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed (its seed) + t * this
 COUNTERS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated", "malformed_calls",
-            "context_full", "env_tokens", "model_tokens")
+            "context_full", "env_errors", "env_tokens", "model_tokens")
 
 
 class Environment(Protocol):
@@ -326,7 +326,11 @@ class EpisodeGenerator:
             ep.turns.append(self.decode(s.response_ids))
             # the last allowed turn gets no reply (a tool it calls is not run)
             last = len(ep.turns) >= self.env.max_turns
-            reply = None if last else self.env.env_response(self._groups[ep.group_key].problem, ep.turns, ep.state)
+            try:
+                reply = None if last else self.env.env_response(self._groups[ep.group_key].problem, ep.turns, ep.state)
+            except Exception as e:  # noqa: BLE001 (an environment's bug ends its episode, counted; the run goes on)
+                ep.state["env_error"] = f"{type(e).__name__}: {e}"[:300]
+                reply = None
             if reply is None:
                 self._end(ep)
             elif len(ep.prompt) + len(ep.ids) + len(self.encode(reply)) >= self.max_model_len:
@@ -369,6 +373,7 @@ class EpisodeGenerator:
                 "tool_timeouts": st.count("timeout"), "tool_truncated": st.count("truncated"),
                 "malformed_calls": int(bool(ep.state.get("malformed"))),
                 "context_full": int(bool(ep.state.get("context_full"))),
+                "env_errors": int("env_error" in ep.state),
                 "env_tokens": len(ep.mask) - sum(ep.mask), "model_tokens": sum(ep.mask),
                 "transcript": list(ep.turns),
             }

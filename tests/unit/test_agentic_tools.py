@@ -171,6 +171,22 @@ def test_episodes_stay_within_the_context():
     env.close()
 
 
+class _Broken(ToolEnv):
+    def env_response(self, problem, turns, state):
+        raise KeyError("env bug")
+
+
+def test_an_environment_that_raises_ends_its_episode_counted():
+    env = _Broken([echo], max_turns=3, timeout_s=5, max_chars=40)
+    gen = EpisodeGenerator(_Scripted({0: ["x"], 1: ["y"]}), env, lambda t: [ord(c) for c in t],
+                           lambda ids: "".join(map(chr, ids)), 64)
+    gen.submit([[1]], 2, seed=100, problem=Problem("", "x"), max_new_tokens=4)
+    (fg,) = gen.drain()
+    assert [s.info["env_errors"] for s in fg.samples] == [1, 1] and [s.info["turns"] for s in fg.samples] == [1, 1]
+    assert episode_counts(fg.samples)["agentic/env_errors"] == 2
+    env.close()
+
+
 def test_learner_batch_masks_environment_tokens():
     from megatron_rz.loop.trainer import build_batch
     from vllm_bridge.samples import Sample
