@@ -343,7 +343,7 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
     return res
 
 
-def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = "aligned") -> dict:
+def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = "aligned", seeded: bool = True) -> dict:
     """Where the time goes: one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), per cell:
     * the unprofiled wall of the cell and of the same prompts with half the new tokens, whose
       difference over the extra tokens is the marginal decode step;
@@ -390,8 +390,8 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
 
             def sp(n):
-                return [SamplingParams(n=1, temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0, seed=1000 + i,
-                                       detokenize=False) for i in range(B)]
+                return [SamplingParams(n=1, temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0,
+                                       seed=(1000 + i) if seeded else None, detokenize=False) for i in range(B)]
 
             def timed(n):
                 torch.cuda.synchronize()
@@ -431,7 +431,7 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
                     "kernel_s": round(gpu_total, 4), "kernel_launches": n_kernels,
                     "graph_replays_per_decode_step": round(replays_per_step, 3), "top": top, "host": host}
             res["cells"].append(cell)
-            lines.append(f"== {kind} {B}x{P}x{N}: wall {walls[N]:.3f} s (half the new tokens {walls[N // 2]:.3f} s: "
+            lines.append(f"== {kind} {B}x{P}x{N}{' seeded' if seeded else ' unseeded'}: wall {walls[N]:.3f} s (half the new tokens {walls[N // 2]:.3f} s: "
                          f"decode step {step_ms:.2f} ms); profiled wall {wall:.3f} s, kernels {gpu_total:.3f} s in "
                          f"{n_kernels} launches; {replays_per_step:.2f} CUDA graph replays per decode step")
             lines += [f"  {x['ms']:9.2f} ms {x['share']:6.1%} {x['calls']:6d}  {x['name']}" for x in top]
@@ -475,6 +475,7 @@ def main(argv=None) -> int:
     d.add_argument("--out", required=True)
     d.add_argument("--cells", default="64x512x256")
     d.add_argument("--engine", default="aligned", choices=sorted(ENGINE_KINDS))
+    d.add_argument("--seeded", default="on", choices=("on", "off"), help="per-request seeds")
     args = ap.parse_args(argv)
     taken = os.path.join(args.out, "config.json") if args.cmd == "ckpt" else args.out
     if os.path.exists(taken):  # never overwrite an earlier run's results or checkpoint
@@ -486,7 +487,7 @@ def main(argv=None) -> int:
     elif args.cmd == "check":
         check(args.ckpt, args.out, which=tuple(args.engines.split(",")))
     elif args.cmd == "profile":
-        profile(args.ckpt, args.out, cells, args.engine)
+        profile(args.ckpt, args.out, cells, args.engine, args.seeded == "on")
     else:
         seeded = [{"on": True, "off": False}[x] for x in args.seeded.split(",")]
         if args.cmd == "bench-one":

@@ -32,7 +32,7 @@ __all__ = ["gumbel_draw", "BLOCK"]
 BLOCK = 4096  # vocabulary columns per loop iteration (free: the race's result does not depend on it)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride", "base_seed"])
 def _draw_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, eps,
                  KEYED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -48,8 +48,8 @@ def _draw_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, 
     c1 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c2 = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
     base = logits_ptr + row.to(tl.int64) * stride
-    best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int64)
+    best = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)  # scalars of the loop's types
+    best_i = tl.sum(tl.zeros((BLOCK,), tl.int64), axis=0)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < V

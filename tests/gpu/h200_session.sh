@@ -151,7 +151,7 @@ PYEOF
     profile_rl)
       for e in ${PROFILE_ENGINES:-aligned aligned_base stock}; do
         "$PY" benchmarks/rollout_gpu.py profile --ckpt "${BENCH_CKPT:-/root/ckpt/moe1b}" --out "$d/profile_rl_$e.json" \
-          --cells ${PROFILE_CELLS:-64x512x256} --engine $e > "$d/profile_rl_$e.log" 2>&1
+          --cells ${PROFILE_CELLS:-64x512x256} --engine $e --seeded ${PROFILE_SEEDED:-on} > "$d/profile_rl_$e.log" 2>&1
         echo "rc=$? $e" >> "$d/summary.txt"
         grep -E "^== |Asynchronous scheduling|cudagraph|CUDA graph|Error|error" "$d/profile_rl_$e.log" | tail -12 | tee -a "$d/summary.txt"
       done ;;

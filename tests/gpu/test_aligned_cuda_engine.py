@@ -107,7 +107,7 @@ def test_paged_split_decode_equals_one_pass_any_split_and_in_a_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out_g, ref)
-    assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(256, 4, 16, 132) == 1
+    assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(512, 4, 16, 132) == 1 and A.decode_splits(256, 4, 16, 132) == 2
 
 
 def test_fused_work_list_equals_torch_work_list():

@@ -66,7 +66,7 @@ pos = torch.tensor(lens) - 1
 for split in (True, False):
     ob = A.attention_batched(q, kcont, vcont, cu1, pos, D ** -0.5, max_q_len=1, split_kv=split)
     assert torch.equal(ob, one), split
-assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(256, 4, 16, 132) == 1
+assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(512, 4, 16, 132) == 1 and A.decode_splits(256, 4, 16, 132) == 2
 assert A.decode_splits(64, 4, 3, 132) == 3
 
 g = torch.Generator().manual_seed(1)
