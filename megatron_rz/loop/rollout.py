@@ -86,7 +86,7 @@ class RolloutSide:
         else:
             from vllm_bridge.engine import RolloutEngine
 
-            kwargs = {**recipe.engine_kwargs(), **(engine_extra or {})}
+            kwargs = {**recipe.engine_kwargs(), "stall_timeout_s": recipe.rollout.stall_timeout_s, **(engine_extra or {})}
             self.engine = RolloutEngine(str(model_dir), **kwargs)
             self._restart_args = (str(model_dir), kwargs)
 

@@ -14,10 +14,11 @@ file order:
   parameter (N/N caught); a clean sync of the same weights passes (no false alarm).
 * The remote-engine rule: the same engine given to InlineRollout as a remote one (not restartable),
   its engine core SIGKILLed: fetch_batch stops with the engine's error, no restart.
-* The restart budget (schedule.engine_restarts=1): the loop's own rollout, whose engine is now dead:
+* The restart budget (schedule.engine_restarts=2): the loop's own rollout, whose engine is now dead:
   fetch_batch starts a new engine, pushes the current weights (verified) and re-runs the batch,
-  which equals the batch the first engine produced before it died (torch.equal logprobs); a second
-  death stops the run: no third engine.
+  which equals the batch the first engine produced before it died (torch.equal logprobs); the new
+  engine then stuck (its core SIGSTOPped: alive, no token) is named after rollout.stall_timeout_s and
+  replaced the same way, the batch again equal; a third failure stops the run: no fourth engine.
 
 Counts: RZ_VERIFY_FLIPS (per transport, default 8), RZ_VERIFY_ENGINE_FLIPS (default 30);
 RZ_VERIFY_FLIPS_OUT=path.json writes the counts and timings (benchmarks/results/verify_flips_cpu.json:
@@ -40,7 +41,7 @@ import torch
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
-SETS = ["schedule.engine_restarts=1", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+SETS = ["schedule.engine_restarts=2", "rollout.stall_timeout_s=60", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=4", "rollout.max_num_seqs=8", "rollout.kv_cache_gb=0.25", "task.eval_prompts=4"]
 FLIPS = int(os.environ.get("RZ_VERIFY_FLIPS", "8"))
 ENGINE_FLIPS = int(os.environ.get("RZ_VERIFY_ENGINE_FLIPS", "30"))
@@ -358,15 +359,21 @@ def test_remote_engine_is_not_restarted(setup):
 
 
 def test_restart_budget_through_the_loop(setup, capsys):
-    """schedule.engine_restarts=1, the loop's own (restartable) rollout, its engine dead (above):
-    fetch_batch starts one new engine, pushes version 1 (verified: every parameter) and re-runs batch
-    0, which equals the first engine's bit for bit. The new engine killed too: the run stops, no
-    third engine. (Killed under a weight push instead, the push's collective_rpc is not watched as
-    generate is and can wait rpc_timeout_s, 600 s: not tested here.)"""
+    """schedule.engine_restarts=2, the loop's own (restartable) rollout, its engine dead (above):
+    fetch_batch starts a new engine, pushes version 1 (verified: every parameter) and re-runs batch
+    0, which equals the first engine's bit for bit. The new engine stuck (its engine core stopped
+    with SIGSTOP: alive, no token): named within its stall bound (3 s), replaced, batch 0 equal
+    again. The third engine killed too: the run stops, no fourth engine."""
     from megatron_rz.loop.trainer import fetch_batch
     from vllm_bridge.engine import RolloutEngineError
 
     ro, sd = setup["rollout"], setup["sd"]
+    want = setup["batch_before"]
+
+    def same_batch(batch, what):
+        for f in ("input_ids", "loss_mask", "old_logprobs", "versions", "rewards"):
+            assert torch.equal(getattr(batch, f), getattr(want, f)), f"{what}: the re-run batch's {f} differs"
+
     first = ro.engine
     assert first.dead_reason() is not None
     t0 = time.perf_counter()
@@ -374,12 +381,30 @@ def test_restart_budget_through_the_loop(setup, capsys):
     REPORT["restart_s"] = round(time.perf_counter() - t0, 1)
     out = capsys.readouterr().out
     assert ro.restarts == 1 and ro.engine is not first and ro.engine.weight_version == 1
-    assert "rollout engine died during update 1" in out and "restart 1 of 1" in out, out
-    want = setup["batch_before"]
-    for f in ("input_ids", "loss_mask", "old_logprobs", "versions", "rewards"):
-        assert torch.equal(getattr(batch, f), getattr(want, f)), f"the re-run batch's {f} differs from the first engine's"
+    assert "rollout engine died during update 1" in out and "restart 1 of 2" in out, out
+    same_batch(batch, "after a death")
     second = ro.engine
-    _kill_cores(second)
+    assert second.stall_timeout_s == 60  # from the recipe, through the restart
+    second.stall_timeout_s = 3  # a fresh engine's first steps may take seconds on a busy box: short here only
+    stopped = list(second.engine_pids())
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        batch, _ = fetch_batch(_Learner(sd, 1), ro, 0, 0, 0)
+        REPORT["stuck_restart_s"] = round(time.perf_counter() - t0, 1)
+    finally:
+        for pid in stopped:  # (close() killed them; a survivor must not stay stopped)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    out = capsys.readouterr().out
+    assert ro.restarts == 2 and ro.engine is not second and ro.engine.weight_version == 1
+    assert "alive but stuck" in out and "rollout.stall_timeout_s=3" in out and "restart 2 of 2" in out, out
+    same_batch(batch, "after a stall")
+    third = ro.engine
+    _kill_cores(third)
     with pytest.raises(RolloutEngineError):
         fetch_batch(_Learner(sd, 1), ro, 0, 0, 0)
-    assert ro.restarts == 1 and ro.engine is second  # the budget is spent: no third engine
+    assert ro.restarts == 2 and ro.engine is third  # the budget is spent: no fourth engine

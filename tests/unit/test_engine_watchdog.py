@@ -39,3 +39,41 @@ def test_dead_core_during_a_hung_call_is_an_error_and_the_call_is_abandoned():
     hung = [t for t in threading.enumerate() if t.name == "rz-generate"]
     assert hung and all(t.is_alive() for t in hung)
     release.set()
+
+
+class _Beating(_Eng):
+    def __init__(self) -> None:
+        super().__init__()
+        import time
+
+        self._beat = time.monotonic()
+        self._stuck = None
+
+
+def test_a_live_engine_without_engine_steps_is_named_stuck_within_the_stall_bound():
+    import time
+
+    e = _Beating()
+    release = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(RolloutEngineError, match=r"alive but stuck: no engine step .* rollout.stall_timeout_s=0.4 "
+                                                 r"\(during generate\)"):
+        RolloutEngine._watched(e, release.wait, "generate", poll_s=0.1, stall_s=0.4)
+    assert 0.4 <= time.monotonic() - t0 < 2.0
+    assert e._stuck and "stuck" in e._stuck  # dead_reason reports it from now on: later calls refuse
+    release.set()
+
+
+def test_a_slow_call_whose_engine_keeps_stepping_is_not_stuck():
+    import time
+
+    e = _Beating()
+
+    def slow():  # 1.2 s in all, an engine step every 0.1 s: never 0.4 s without one
+        for _ in range(12):
+            time.sleep(0.1)
+            e._beat = time.monotonic()
+        return "done"
+
+    assert RolloutEngine._watched(e, slow, "step", poll_s=0.05, stall_s=0.4) == "done"
+    assert e._stuck is None
