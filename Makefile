@@ -23,14 +23,14 @@ $(STAMP):
 
 install: $(STAMP)
 
-# make demo pins what makes CPU training differ between machines and loads (issue 19): one intra-op
+# make demo pins what makes CPU training differ between machines and loads: one intra-op
 # thread (a tiny model's ops are too small to share; with two, any other busy process on a 2-core box
 # makes OpenMP spin-waits thrash: learner step ~4 s instead of 0.1-0.2 s) and the AVX2 code paths of
 # torch, MKL and oneDNN (by default each picks AVX-512 where the CPU has it, which changes the bits of
 # the warm-started base model). The base model's weights hash is printed at the end. The overrides
 # for the default recipe: 32 prompts per update at lr 2e-4 for 40 updates, on a warm start at lr 2e-3
 # (the recipe's 3e-3 stalls for one of five warm-start seeds; at 2e-3 all five gain +0.415 to +0.605
-# held out, seed 0: 0.40 -> 0.94; README "Training demo").
+# held out, seed 0: 0.40 -> 0.94; docs/results.md "Training demo").
 DEMO_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 DEMO_OVERRIDES ?= $(if $(filter recipes/tiny_moe.yaml,$(RECIPE)),rollout.prompts_per_step=32 algo.lr=2e-4 schedule.steps=40 warm_start.lr=2e-3)
 

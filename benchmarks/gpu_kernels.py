@@ -12,7 +12,7 @@ time is reported. The baseline is measured the same way in the same process: def
 ``F.rms_norm`` for RMSNorm and ``(logits.float() / T).log_softmax(-1).gather`` for log-probs.
 ratio = baseline time / Triton time (>= 1: Triton as fast or faster).
 
-Groups (``--groups``): gemm, rmsnorm, logprobs (the first three, default set of earlier runs), segments (row-parallel K segmentation, issue 18), rope,
+Groups (``--groups``): gemm, rmsnorm, logprobs (the first three, default set of earlier runs), segments (row-parallel K segmentation), rope,
 router, attention, moe, fp8, decode. Baselines of the newer groups: RoPE and router in torch ops
 (graph-captured), SDPA (flash) for attention, ``torch._grouped_mm`` for the routed experts,
 ``torch._scaled_mm`` (blockwise 1x128 / 128x128 scales where this torch supports it) for FP8, and for

@@ -348,7 +348,7 @@ SEGMENT_SHAPES = (("moe1b o_proj", 2048, 1024), ("qwen3-30b o_proj", 4096, 2048)
 
 
 def bench_segments(args):
-    """What a fixed row-parallel K segmentation costs (issue 18): the Triton GEMM and the routed
+    """What a fixed row-parallel K segmentation costs: the Triton GEMM and the routed
     experts' down GEMM at 1 / 2 / 4 / 8 / 16 K segments, decode to prefill M, beside cuBLAS."""
     from kernels.triton.gemm import matmul, pick_config
     from kernels.triton.moe import moe_experts_merged

@@ -1,4 +1,4 @@
-"""`rz check` over a grid of sampling settings on ONE engine and ONE learner (issue 14).
+"""`rz check` over a grid of sampling settings on ONE engine and ONE learner.
 
     .venv/bin/python benchmarks/sampling_grid.py RECIPE OUT.json [key=value overrides] [--prompts N]
         [--samples G] [--grid full|small]

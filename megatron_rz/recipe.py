@@ -250,7 +250,7 @@ class RolloutConfig(_Strict):
     # model.arch qwen3_moe / qwen2 / deepseek_v3.
     weight_sync: Literal["full", "reshard"] = "full"
     # Verify every parameter's bytes after every verify_every-th sync (1: every sync; the check reads the
-    # weights once on each side, ~0.27 s per GB on one CPU core: README "Reliability").
+    # weights once on each side, ~0.27 s per GB on one CPU core: docs/architecture.md "Reliability").
     verify_every: int = 1
     # Where the engines run: "local" = one in-process vLLM engine on learner rank 0; "servers" = the
     # `vllm serve` processes of an `rz submit` job's rollout nodes (vllm_bridge.server_client.connect;

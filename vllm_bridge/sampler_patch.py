@@ -3,8 +3,8 @@
 Why: with ``logprobs_mode="processed_logprobs"`` vLLM reports the log-probability of the
 distribution it sampled from (after temperature and top-k / top-p). Its own top-k / top-p
 (``apply_top_k_top_p_pytorch``: a non-stable sort, every token tied at the k-th value kept, an
-ascending cumsum against ``1 - p``) is not a contract the learner can reproduce bit for bit: on
-main 501550f, ``rz check ... rollout.top_p=0.9`` was ~18% bitwise. With this patch the aligned
+ascending cumsum against ``1 - p``) is not a contract the learner can reproduce bit for bit: before this patch,
+``rz check ... rollout.top_p=0.9`` was ~18% bitwise. With this patch the aligned
 engine computes the processed logprob with ``kernels.sampled_logprobs`` / ``processed_logprobs``
 -- the functions the learner calls -- and draws the token from ``kernels.masked_logits`` (the same
 kept set) with vLLM's own random draw (its per-request seeds and generators unchanged), so:

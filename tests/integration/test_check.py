@@ -96,7 +96,7 @@ def test_aligned_tiny_dsv3_bf16_is_bitwise(tmp_path):
     assert report["dtype"] == "bfloat16" and report["arch"] == "deepseek_v3" and report["all_bitwise_equal"] is True
 
 
-# Sampling post-processing (issue 14): a few temperature / top-k / top-p settings on ONE engine and
+# Sampling post-processing: a few temperature / top-k / top-p settings on ONE engine and
 # ONE learner (megatron_rz.tools.check.run_check's sampling_grid), the last with vLLM sampling at top_k=2
 # while the contract (learner, reference) says 3: the localiser must name the sampling stage, with
 # every forward tap and the logits equal. (The full grid, by hand: benchmarks/sampling_grid.py.)

@@ -1,4 +1,4 @@
-"""Blockwise FP8 DeepSeek-V3 *learner* at tensor parallel > 1 (issue 18; docs/tp.md "FP8").
+"""Blockwise FP8 DeepSeek-V3 *learner* at tensor parallel > 1 (docs/tp.md "FP8").
 
 How Megatron-Core 0.16 splits MLA, and the FP8 form each projection gets in the aligned learner:
 

@@ -22,7 +22,7 @@ file order:
 
 Counts: RZ_VERIFY_FLIPS (per transport, default 8), RZ_VERIFY_ENGINE_FLIPS (default 30);
 RZ_VERIFY_FLIPS_OUT=path.json writes the counts and timings (benchmarks/results/verify_flips_cpu.json:
-see the README "Reliability" section for the command).
+see docs/architecture.md "Reliability" for the command).
 """
 
 from __future__ import annotations

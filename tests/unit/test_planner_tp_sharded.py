@@ -1,4 +1,4 @@
-"""Layout planner and the tensor-parallel aligned vLLM classes (Qwen3-MoE, DeepSeek-V3; issue 18):
+"""Layout planner and the tensor-parallel aligned vLLM classes (Qwen3-MoE, DeepSeek-V3):
 per-GPU weights and KV cache as the sharded classes hold them, and the refusals of a rollout
 tensor-parallel size those classes' ``_tp_config`` would reject, at planning time in one line."""
 

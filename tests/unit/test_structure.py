@@ -1,6 +1,6 @@
 """Structure rules of the code base, read from the source with ``ast`` (nothing is imported).
 
-Rules (docs: ../shared/ARCHITECTURE.md, README "Architecture"): no import circles among the
+Rules (docs: ../shared/ARCHITECTURE.md, docs/architecture.md): no import circles among the
 project modules (function-level imports included); ``kernels`` imports neither vLLM nor Megatron;
 ``vllm_bridge`` imports nothing from ``megatron_rz``; ``megatron_rz`` imports nothing from
 ``vllm_bridge.aligned``; no module reads another project module's private (``_x``) names;
@@ -19,10 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("megatron_rz", "vllm_bridge", "kernels", "benchmarks")
 
-# Known exceptions, owned by the engineer merging the two training loops into one (issue 16).
+# Known exceptions, owned by the engineer merging the two training loops into one.
 # These lists must only ever SHRINK: delete an entry as soon as its reason is gone.
 ALLOWED_CYCLES: list[set[str]] = []
-# Modules being rewritten around one rollout client / weight-transport seam (issue 16); their
+# Modules being rewritten around one rollout client / weight-transport seam; their
 # private-name uses (engine `_rpc`, `_guard`, `_version`, ...) disappear with that rewrite.
 ALLOWED_PRIVATE_USERS: set[str] = set()
 # (user, owner) pairs allowed to share a private name: none left.

@@ -12,8 +12,10 @@
 
 Every op of those models goes through ``kernels`` (see kernels/README.md), so the logprob vLLM reports
 for a sampled token is ``torch.equal`` to :func:`kernels.models.qwen3_dsv3.reference_logprobs`
-on prompt + response, however vLLM batches. Engine settings: ``dtype="float32"``,
-``enforce_eager=True``, ``logprobs_mode="processed_logprobs"`` (log_softmax(logits / T)).
+on prompt + response, however vLLM batches. Engine settings: ``logprobs_mode="processed_logprobs"``
+(log_softmax(logits / T)), the recipe's dtype, and the platform's settings from
+``vllm_compat.aligned_engine_kwargs``: eager on CPU; on CUDA full CUDA graphs for decode and
+chunked prefill (eager when the caller asks ``enforce_eager=True``).
 """
 
 from __future__ import annotations
