@@ -590,6 +590,10 @@ class RolloutEngine:
             raise box["err"]
         return box["out"]
 
+    def watched(self, fn: Callable[[], Any], what: str, *, stall_s: float | None = None) -> Any:
+        """``fn()`` (a blocking call into this engine) under the death and stall watch of _watched."""
+        return self._watched(fn, what, stall_s=stall_s)
+
     def collective_rpc(self, method: str, *args: Any) -> list:
         """Call a worker-extension method (vllm_bridge.worker_ext) on every worker: the per-worker
         results in rank order. A dead engine raises RolloutEngineError."""

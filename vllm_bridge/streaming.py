@@ -194,7 +194,7 @@ class StreamingGenerator:
         if not self._reqs:
             return []
         with self.engine.guard("step"):  # watched: a core that dies or sticks mid-step is named, not waited on
-            outs = self.engine._watched(self._llm_engine.step, "step", stall_s=self.engine.stall_timeout_s)
+            outs = self.engine.watched(self._llm_engine.step, "step", stall_s=self.engine.stall_timeout_s)
         done: list[FinishedGroup] = []
         for out in outs:
             req = self._reqs.get(out.request_id)
