@@ -13,8 +13,8 @@ and the rollout behind ``rollout`` depends on the schedule (``open_rollout``):
 * max_lag = 0: megatron_rz.loop.rollout.InlineRollout, the producer in rank 0's own process: batch k
   is generated after update k's weights are in the engine (in-process transport; the filesystem
   transport for the vLLM servers of rollout.where=servers), so every token has lag 0. A local
-  engine that dies is restarted (schedule.engine_restarts) with the current weights and the batch
-  or the push is re-run identically (same prompts, same seeds).
+  engine that dies is restarted (schedule.engine_restarts) with the current weights and the batch,
+  the push or the evaluation is re-run identically (same prompts, same seeds).
 * max_lag = m > 0: megatron_rz.loop.rollout_process.RolloutProcess, a rollout process beside the learner
   running the same producer with in-flight weight swaps (filesystem transport); batch k holds
   tokens of versions v0 + k - m .. v0 + k.
@@ -217,6 +217,32 @@ def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: 
         return broadcast(payload)
 
 
+def evaluate(learner, rollout, step: int, *, final: bool = False, weight_sync: str = "full", verify: bool = True):
+    """Collective: the evaluation after update ``step`` + 1 on rank 0 (``final``: rollout.finish, the
+    last one, which also closes the rollout; else rollout.evaluate); its value on rank 0, None elsewhere. A local engine that dies meanwhile is restarted,
+    the current weights pushed (``verify``: and verified) and the evaluation run again, as
+    fetch_batch does for a batch."""
+    from vllm_bridge.engine import RolloutEngineError
+
+    while True:
+        status, error, value = "ok", None, None
+        if rank() == 0:
+            try:
+                value = rollout.finish() if final else rollout.evaluate()
+            except RolloutEngineError as e:
+                if rollout.restart(e, step, learner.version):
+                    status = "restart"
+                else:
+                    error = e
+            except BaseException as e:
+                error = e
+        if _agree(status, error, f"the evaluation after update {step + 1}") == "restart":
+            if learner.version > 0:
+                push_weights(learner, rollout, step, verify=verify, weight_sync=weight_sync)
+            continue
+        return value
+
+
 def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step: int):
     """Collective. The rollout of this schedule on rank 0 (None elsewhere), holding the learner's
     weights when the run resumes (version v0 > 0). Its engine: rollout.where (local, or the vLLM
@@ -362,6 +388,10 @@ def train(recipe: Recipe) -> dict:
             sync_bytes = push_weights(learner, rollout, step, weight_sync=r.weight_sync,
                                       verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
             t3 = time.perf_counter()
+            # (the last step's evaluation is the final one, after the loop)
+            value = None
+            if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 and step + 1 < steps:
+                value = evaluate(learner, rollout, step, weight_sync=r.weight_sync, verify=r.verify_sync)
 
             times["rollout"] += t1 - t0
             times["learner"] += t2 - t1
@@ -391,11 +421,8 @@ def train(recipe: Recipe) -> dict:
                     "tokens_per_s": resp.sum().item() / (t3 - t0),
                     **meta,
                 }
-                # (the last step's evaluation is the final one, after the loop)
-                if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 and step + 1 < steps:
-                    value = rollout.evaluate()
-                    if value is not None:
-                        row.update(value)
+                if value is not None:
+                    row.update(value)
                 logger.log(step + 1, row)
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
                                 dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
@@ -410,12 +437,13 @@ def train(recipe: Recipe) -> dict:
                 break
 
         learner.save_checkpoint(checkpoint_dir(run_dir, end), step=end)
+        r = recipe.rollout
+        final_eval = evaluate(learner, rollout, end - 1, final=True, weight_sync=r.weight_sync, verify=r.verify_sync)
         buckets = learner.hf_weight_buckets()  # collective: every rank walks it
         if not rank0:
             _drain(buckets)
             return {}
         export_hf_checkpoint(buckets, base, run_dir / "hf_final")
-        final_eval = rollout.finish()
         logger.log(end, final_eval)
         summary = run_summary(recipe, run_dir, start_step, eval_before, final_eval["eval_reward"], times, end_step=end,
                               stopped_by=stopped_by)
