@@ -15,3 +15,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
         if "slow" in item.keywords and os.environ.get("RZ_SLOW") != "1":
             item.add_marker(not_slow)
+
+
+@pytest.fixture(scope="session")
+def shared_base_model(tmp_path_factory):
+    """``make(recipe, overrides) -> Path``: the warm-started base model of that recipe and those
+    overrides, built once per test session and shared by the xdist workers (a file lock; the
+    directory sits beside the workers' temp dirs). A test copies it into its run directory as
+    RUN_DIR/base_model, which the trainer then uses as it uses any earlier run's base model (it
+    checks the base-model hash and builds a new one on a mismatch). The warm start itself stays
+    tested: the first test to ask builds it through megatron_rz.launch.rundir.build_base_model."""
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared_base_models"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def make(recipe: str | Path, overrides: list[str] | tuple[str, ...]) -> Path:
+        from megatron_rz.fingerprint import base_model_hash
+        from megatron_rz.launch.rundir import build_base_model
+        from megatron_rz.recipe import load_recipe
+
+        r = load_recipe(recipe, list(overrides))
+        key = base_model_hash(r, r.schedule.seed)
+        target = root / key
+        with FileLock(str(root / f"{key}.lock")):
+            if not (target / "config.json").exists():
+                build_base_model(r, target, progress=False)
+        return target
+
+    return make

@@ -66,14 +66,16 @@ def _engine_cores(pid: int) -> list[int]:
     return out
 
 
-def test_killed_run_resumes_to_the_same_metrics(tmp_path):
+def test_killed_run_resumes_to_the_same_metrics(tmp_path, shared_base_model):
     ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+    # One base model for both runs (the session's shared warm start of these settings)
+    base = shared_base_model(ROOT / "recipes" / "tiny_moe.yaml", RUN)
+    shutil.copytree(base, ref / "base_model")
+    shutil.copytree(base, run / "base_model")
     out = subprocess.run(_cmd(ref), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert any(r.get("grad_norm", 0) > 0 for r in _rows(ref))
 
-    # Same base model (the warm start is deterministic too, but copying saves its minute).
-    shutil.copytree(ref / "base_model", run / "base_model")
     proc = subprocess.Popen(_cmd(run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=ROOT, start_new_session=True)
     marker = run / "checkpoints" / "step_000002" / "COMPLETE"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,15 @@ SHORT = [
 ]
 
 
-def _rz_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def base(shared_base_model):
+    """The tiny_moe base model of SHORT's warm start, made once for this file's five runs."""
+    return shared_base_model(ROOT / "recipes" / "tiny_moe.yaml", SHORT)
+
+
+def _rz_train(run_dir: Path, *overrides: str, base: Path | None = None) -> subprocess.CompletedProcess:
+    if base is not None and not (run_dir / "base_model").exists():
+        shutil.copytree(base, run_dir / "base_model")
     env = {**os.environ, "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "megatron_rz.cli", "train", str(ROOT / "recipes" / "tiny_moe.yaml"),
            f"logging.run_dir={run_dir}", *SHORT, *overrides]
@@ -57,25 +66,27 @@ def _check_run(run_dir: Path, out: subprocess.CompletedProcess, aligned: bool = 
     return summary
 
 
-def test_train_tiny_moe_end_to_end(tmp_path):
+def test_train_tiny_moe_end_to_end(tmp_path, base):
     run_dir = tmp_path / "run"
-    summary = _check_run(run_dir, _rz_train(run_dir))
+    out = _rz_train(run_dir, base=base)
+    summary = _check_run(run_dir, out)
+    assert "[rz] warm start done" not in out.stdout  # the shared base model was taken as this run's
     assert summary["steps"] == 3 and summary["mismatch_frac_bitwise"] == 1.0
 
 
-def test_train_tiny_moe_fast_mode_shows_mismatch(tmp_path):
+def test_train_tiny_moe_fast_mode_shows_mismatch(tmp_path, base):
     run_dir = tmp_path / "run_fast"
-    _check_run(run_dir, _rz_train(run_dir, "mode=fast"), aligned=False)
+    _check_run(run_dir, _rz_train(run_dir, "mode=fast", base=base), aligned=False)
 
 
-def test_train_tiny_moe_tp2_ep2_through_torchrun(tmp_path):
+def test_train_tiny_moe_tp2_ep2_through_torchrun(tmp_path, base):
     run_dir = tmp_path / "run_tp2"
-    out = _rz_train(run_dir, "parallel.tp=2", "parallel.ep=2")
+    out = _rz_train(run_dir, "parallel.tp=2", "parallel.ep=2", base=base)
     assert "launching 2 learner ranks" in out.stdout
     _check_run(run_dir, out)
 
 
-def test_async_dp2_time_limit_then_resume_through_torchrun(tmp_path):
+def test_async_dp2_time_limit_then_resume_through_torchrun(tmp_path, base):
     """The asynchronous trainer (max_lag=1, the rollout process) with two learner ranks (dp=2,
     ep=2, distributed optimizer) under schedule.time_limit_s: the run ends after the update that
     crossed it as a finished run does (final checkpoint with rank 1's shards, evaluation, summary,
@@ -85,7 +96,7 @@ def test_async_dp2_time_limit_then_resume_through_torchrun(tmp_path):
     tokens bitwise."""
     run_dir = tmp_path / "run_tl"
     par = ("parallel.dp=2", "parallel.ep=2", "parallel.distributed_optimizer=true", "schedule.max_lag=1")
-    out = _rz_train(run_dir, "schedule.time_limit_s=0.000001", *par)
+    out = _rz_train(run_dir, "schedule.time_limit_s=0.000001", *par, base=base)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert "launching 2 learner ranks" in out.stdout
     assert "schedule.time_limit_s=1e-06 reached after update 1 of 3" in out.stdout
