@@ -46,7 +46,7 @@ demo: install
 TEST_WORKERS ?= 2
 test: install
 	@t0=$$(date +%s); OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=30 tests; rc=$$?; \
+	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=80 tests; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - t0 )) s (exit $$rc)"; exit $$rc
 
 clean:

@@ -163,7 +163,7 @@ def _random_draw(sampler, draw: torch.Tensor, logits: torch.Tensor, md) -> torch
     return sampled.to(torch.long).reshape(-1)
 
 
-class _DrawKeys:
+class DrawKeys:
     """Per-step keys of :func:`kernels.triton.draw.gumbel_draw`. A seeded request's key is (its
     seed, its draw count), read from and advanced in its own ``torch.Generator`` (the Philox
     offset, in steps of 4), so the generator stays the one place its state lives; unseeded rows get
@@ -227,7 +227,7 @@ def _keyed_draw(sampler, logits: torch.Tensor, md) -> torch.Tensor:
 
     keys = getattr(sampler, "_rz_keys", None)
     if keys is None:
-        keys = sampler._rz_keys = _DrawKeys()
+        keys = sampler._rz_keys = DrawKeys()
     k, base = keys.step(logits.shape[0], md.generators, logits.device)
     return gumbel_draw(logits, md.temperature, k, base_seed=base, eps=_SAMPLING_EPS)
 

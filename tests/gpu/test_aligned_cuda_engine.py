@@ -214,7 +214,7 @@ def test_batched_keyed_draw():
     batch, its key (seed, draw count) kept in its own CUDA generator (advanced once per draw)."""
     need_cuda()
     from kernels.triton.draw import gumbel_draw
-    from vllm_bridge.sampler_patch import _DrawKeys
+    from vllm_bridge.sampler_patch import DrawKeys
 
     V = 50
     lg = randn(1, V, dtype=torch.float32, seed=12, scale=2.0)
@@ -227,15 +227,15 @@ def test_batched_keyed_draw():
     x = randn(9, 151936, dtype=torch.float32, seed=13, scale=4.0)
     T = torch.tensor([1.0, 0.0, 0.7, 1.0, 0.0, 1.3, 1.0, 1.0, 0.5], device="cuda")
     gens = {r: torch.Generator(device="cuda").manual_seed(100 + r) for r in (0, 2, 5, 7)}
-    k, _ = _DrawKeys().step(9, gens, x.device)
+    k, _ = DrawKeys().step(9, gens, x.device)
     assert all(g.get_offset() == 4 for g in gens.values())
     tok = gumbel_draw(x, T, k)
     assert torch.equal(tok[[1, 4]], x[[1, 4]].argmax(1))
     for r in (0, 2, 5, 7):
         alone_gen = {0: torch.Generator(device="cuda").manual_seed(100 + r)}
-        ka, _ = _DrawKeys().step(1, alone_gen, x.device)
+        ka, _ = DrawKeys().step(1, alone_gen, x.device)
         assert torch.equal(gumbel_draw(x[r:r + 1], T[r:r + 1], ka), tok[r:r + 1]), r
-    k2, _ = _DrawKeys().step(9, gens, x.device)  # the next draw of the same requests: a new key
+    k2, _ = DrawKeys().step(9, gens, x.device)  # the next draw of the same requests: a new key
     assert torch.equal(k2[[0, 2, 5, 7], 1], k[[0, 2, 5, 7], 1] + 1)
 
 
