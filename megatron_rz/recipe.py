@@ -476,9 +476,11 @@ class ScheduleConfig(_Strict):
     # (`stopped_by`), plots; `checkpoint.load=latest` continues it later (a GPU session's runs
     # concatenated, a SLURM job's time limit).
     time_limit_s: NonNegF = 0.0
-    # A local vLLM engine that dies mid-rollout is restarted with the current weights and the step's
-    # rollout re-run (same seeds) this many times per run (synchronous trainer); then the run stops.
-    engine_restarts: NonNeg = 2  # 0: evaluate only before and after the run
+    # A local vLLM engine that dies (or stalls: rollout.stall_timeout_s) is restarted with the
+    # current weights and the interrupted work re-run (same prompts and seeds) this many times per
+    # run: the synchronous loop's batch, push or evaluation, the rollout process's unfinished
+    # batches (max_lag > 0); then the run stops. 0: the first death stops the run.
+    engine_restarts: NonNeg = 2
 
 
 class LoggingConfig(_Strict):

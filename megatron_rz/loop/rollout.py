@@ -296,6 +296,14 @@ class Producer:
             self.next_emit += 1
         return out
 
+    def use_generator(self, gen) -> None:
+        """After an engine restart (the rollout process's engine died): ``gen`` over the new engine;
+        every batch not handed out yet is dropped and submitted again (same prompts and seeds, at
+        the new engine's version)."""
+        self.gen = agentic.make_generator(gen, self.side, self.recipe)
+        for k in range(self.next_emit, self.next_submit):
+            self.forget(k)
+
     def forget(self, k: int) -> None:
         """Drop what batch k has so far (its engine died): submit_batch(k) redoes it identically."""
         self.batches.pop(k, None)

@@ -34,10 +34,12 @@ Failure handling
     The learner waits for the rollout with short queue timeouts and checks that the rollout
     process is alive: a dead rollout process raises RolloutProcessError with its exit code (its own
     traceback is forwarded when it could send one; a dead server is named by the server client),
-    never a hang. On success, learner exception or Ctrl-C the rollout process is told to stop, then
-    terminated (SIGTERM: it closes its engine), then killed, and finally the vLLM
-    engine-core/worker pids it reported at start are reaped (start-time checked). The rollout
-    process exits by itself when its parent dies.
+    never a hang. A local engine that dies or stalls inside the rollout process is restarted there
+    (schedule.engine_restarts, as the synchronous loop does; _ProcessLoop.restart). On success,
+    learner exception or Ctrl-C the rollout process is told to stop, then terminated (SIGTERM: it
+    closes its engine), then killed, and finally the vLLM engine-core/worker pids it reported (at
+    start and after each engine restart) are reaped (start-time checked). The rollout process exits
+    by itself when its parent dies.
 """
 
 from __future__ import annotations
@@ -117,15 +119,20 @@ def run_rollout(recipe_dict: dict, base: str, run_dir: str, v0: int, start_step:
     try:
         eng = side.engine
         gen = StreamingGenerator(eng) if side.restartable else eng.stream()  # servers: their own stream
+        kept = None
         if init_path is not None:  # resumed run: start from the learner's weights (bucket files)
             gen.swap_weights(v0, update=WeightUpdate(v0, list(init_path)))
-            _release(init_path)
+            if side.restartable:
+                kept = (v0, list(init_path))  # what a restarted engine loads until a newer version is applied
+            else:
+                _release(init_path)
         procs = eng.process_ids() if side.restartable else []  # a server's processes are its node's
         results_q.put(("ready", {"pid": os.getpid(), "procs": procs, "pad_id": side.tok.pad_token_id,
                                  "startup_s": getattr(eng, "startup_s", 0.0), "host": socket.gethostname()}))
-        results_q.put(("eval", "before", side.evaluate()))
-        _ProcessLoop(Producer(recipe, side, gen, v0, start_step), results_q, control_q,
-                     learner_alive=learner_alive).run()
+        loop = _ProcessLoop(Producer(recipe, side, gen, v0, start_step), results_q, control_q,
+                            learner_alive=learner_alive, kept=kept)
+        results_q.put(("eval", "before", loop.evaluate()))
+        loop.run()
     finally:
         with contextlib.suppress(BaseException):
             side.engine.close()
@@ -133,13 +140,23 @@ def run_rollout(recipe_dict: dict, base: str, run_dir: str, v0: int, start_step:
 
 class _ProcessLoop:
     """The rollout process's loop around the producer: control messages (newest weights, stop),
-    in-flight swaps between engine steps, batches out in order."""
+    in-flight swaps between engine steps, batches out in order.
 
-    def __init__(self, producer, results_q, control_q, *, learner_alive=lambda: True):
+    A local engine that dies (or stalls: RolloutEngine's watch) is restarted here, at most
+    schedule.engine_restarts times per run, as the synchronous loop does: the new engine loads the
+    newest applied version from its bucket files (kept until the next version is applied, for this
+    purpose), every batch not handed out yet is generated again from its first prompt (same prompts
+    and seeds; the lag bound holds: those are the newest weights the rollout has), and the learner
+    is told the new engine's processes ("restarted"), so it can reap them too."""
+
+    def __init__(self, producer, results_q, control_q, *, learner_alive=lambda: True,
+                 kept: tuple[int, list[str]] | None = None):
         self.p, self.gen, self.side, self.recipe = producer, producer.gen, producer.side, producer.recipe
         self.results_q, self.control_q = results_q, control_q
         self.learner_alive = learner_alive
         self.newest: tuple[int, list[str]] | None = None  # (version, bucket paths) received, not applied yet
+        self.kept = kept  # (version, bucket paths) of the weights the engine holds (local engines)
+        self.restarts = 0
         self.stopping = False
         self.final_eval = False
 
@@ -188,12 +205,54 @@ class _ProcessLoop:
         self.gen.swap_weights(v, update=update)
         r = self.recipe.rollout
         if r.verify_sync and (v % r.verify_every == 0 or v == self.p.v0 + self.p.total):
-            # every parameter of every worker against the version's files (transport.SyncCheck)
-            if getattr(self, "_verify_of", None) is not self.side.engine:
-                self._verify_layout, self._verify_of = SyncCheck.layout_of(self.side.engine), self.side.engine
-            SyncCheck(self._verify_layout).named(update.named_tensors()).verify(self.side.engine, v)
-        self._drop(paths)
+            self._verify(update)
+        if self.side.restartable:  # keep the files of the weights the engine holds (a restart loads them)
+            if self.kept is not None:
+                self._drop(self.kept[1])
+            self.kept = (v, list(paths))
+        else:
+            self._drop(paths)
         self.p.swap_s += time.perf_counter() - t0
+
+    def _verify(self, update: WeightUpdate) -> None:
+        """Every parameter of every worker against the version's files (transport.SyncCheck)."""
+        if getattr(self, "_verify_of", None) is not self.side.engine:
+            self._verify_layout, self._verify_of = SyncCheck.layout_of(self.side.engine), self.side.engine
+        SyncCheck(self._verify_layout).named(update.named_tensors()).verify(self.side.engine, update.version)
+
+    def restart(self, error: Exception) -> None:
+        """A new local engine in place of the dead one (see the class docstring); re-raises
+        ``error`` when that is not possible (the job's vLLM servers; the budget spent)."""
+        from vllm_bridge.streaming import StreamingGenerator
+
+        limit = self.recipe.schedule.engine_restarts
+        if not self.side.restartable or self.restarts >= limit:
+            raise error
+        self.restarts += 1
+        version = self.kept[0] if self.kept is not None else self.p.v0
+        print(f"[rz] rollout engine died in the rollout process ({str(error).splitlines()[0][:200]}); restarting it "
+              f"with the weights of version {version} (restart {self.restarts} of {limit})", flush=True)
+        self.side.restart_engine()
+        gen = StreamingGenerator(self.side.engine)
+        if self.kept is not None:
+            update = WeightUpdate(version, list(self.kept[1]))
+            gen.swap_weights(version, update=update)
+            if self.recipe.rollout.verify_sync:
+                self._verify(update)
+        self.p.use_generator(gen)
+        self.gen = self.p.gen
+        self._put(("restarted", {"procs": self.side.engine.process_ids(), "version": version,
+                                 "restart": self.restarts, "limit": limit}))
+
+    def evaluate(self) -> dict:
+        """The held-out evaluation, on a restarted engine if the engine dies meanwhile."""
+        from vllm_bridge.engine import RolloutEngineError
+
+        while True:
+            try:
+                return self.side.evaluate()
+            except RolloutEngineError as e:
+                self.restart(e)
 
     def emit_ready(self) -> None:
         for k, samples, meta in self.p.pop_ready():
@@ -213,32 +272,49 @@ class _ProcessLoop:
                     return
 
     def run(self) -> None:
-        p = self.p
+        from vllm_bridge.engine import RolloutEngineError
+
         while not self.stopping:
-            self.poll_control(0)
-            self.apply_newest()
-            while not self.swap_waits() and p.next_submit < p.total and p.allowed(p.next_submit):
-                p.submit_batch(p.next_submit)
-            if self.gen.num_in_flight():
-                for fg in self.gen.step():
-                    p.collect(fg)
-                self.emit_ready()
-                self._check_parent()
-                continue
-            self.emit_ready()
-            # Nothing in flight: either every batch is out (wait for stop) or the lag bound holds
-            # the next batch back (wait for weights).
-            t0 = time.perf_counter()
-            self.poll_control(POLL_S)
-            if p.next_emit < p.total:
-                p.blocked_s += time.perf_counter() - t0
-            self._check_parent()
-        self.gen.abort_all()
-        self.poll_control(0)
-        self.apply_newest()  # the final weights, for the final evaluation
+            try:
+                self._once()
+            except RolloutEngineError as e:
+                self.restart(e)
+        while True:
+            try:
+                self.gen.abort_all()
+                self.poll_control(0)
+                self.apply_newest()  # the final weights, for the final evaluation
+                break
+            except RolloutEngineError as e:
+                self.restart(e)
         if self.final_eval:
-            self._put(("eval", "after", self.side.evaluate()))
-        self._put(("done", {"swaps": len(self.gen.swaps), "version": self.gen.version}))
+            self._put(("eval", "after", self.evaluate()))
+        if self.kept is not None:
+            self._drop(self.kept[1])
+            self.kept = None
+        self._put(("done", {"swaps": len(self.gen.swaps), "version": self.gen.version, "restarts": self.restarts}))
+
+    def _once(self) -> None:
+        """One pass: control, the newest weights, submissions, one engine step (or a wait)."""
+        p = self.p
+        self.poll_control(0)
+        self.apply_newest()
+        while not self.swap_waits() and p.next_submit < p.total and p.allowed(p.next_submit):
+            p.submit_batch(p.next_submit)
+        if self.gen.num_in_flight():
+            for fg in self.gen.step():
+                p.collect(fg)
+            self.emit_ready()
+            self._check_parent()
+            return
+        self.emit_ready()
+        # Nothing in flight: either every batch is out (wait for stop) or the lag bound holds
+        # the next batch back (wait for weights).
+        t0 = time.perf_counter()
+        self.poll_control(POLL_S)
+        if p.next_emit < p.total:
+            p.blocked_s += time.perf_counter() - t0
+        self._check_parent()
 
 
 # ============================================================================ learner side
@@ -336,6 +412,12 @@ class RolloutProcess(_OutOfProcess):
                     continue
             if msg[0] == "error":
                 raise RolloutProcessError(f"the rollout process failed while the learner waited for {what}:\n{msg[1]}")
+            if msg[0] == "restarted":  # its engine died and was restarted: reap the new one's processes too
+                info = msg[1]
+                self.info.setdefault("procs", []).extend(info["procs"])
+                print(f"[rz] rollout engine restarted in the rollout process (vLLM pids {[p for p, _ in info['procs']]}, "
+                      f"weights version {info['version']}, restart {info['restart']} of {info['limit']})", flush=True)
+                continue
             if msg[0] in skip:
                 continue
             if msg[0] != kind:

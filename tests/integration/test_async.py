@@ -222,23 +222,69 @@ def _start(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, list[int]]
     raise AssertionError("rollout never became ready:\n" + "".join(lines)[-3000:] + proc.stderr.read()[-3000:])
 
 
-def test_killing_rollout_process_fails_learner_fast(tmp_path, base_model):
+RESTARTED = re.compile(r"\[rz\] rollout engine restarted in the rollout process \(vLLM pids \[([\d, ]*)\], "
+                       r"weights version (\d+), restart 1 of 2\)")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's complete rows so far (a row being written is not one yet)."""
+    f = run_dir / "metrics.jsonl"
+    text = f.read_text() if f.exists() else ""
+    return [json.loads(x) for x in text.split("\n")[:-1] if x.strip()]
+
+
+def test_rollout_engine_death_is_restarted_then_killing_rollout_process_fails_learner_fast(tmp_path, base_model):
+    """Two faults in one asynchronous run (max_lag 1). (1) SIGKILL of the rollout process's vLLM
+    engine core: the rollout process restarts its engine with the newest weights it applied
+    (their bucket files were kept for this), redoes the unfinished batches and tells the learner
+    the new engine's processes; training goes on within the lag bound. (2) SIGKILL of the rollout
+    process itself: the learner stops fast, naming it, and no vLLM process (old or new) is left."""
+    import threading
+
     run_dir = tmp_path / "run"
     _prep(run_dir, base_model)
     proc, pids = _start(run_dir, "schedule.steps=500", "schedule.max_lag=1")
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # vLLM logs: never a full pipe
+    drain.start()
+    train = lambda: [r for r in _rows(run_dir) if "lag_max" in r]  # noqa: E731
     try:
-        time.sleep(3.0)  # training under way
-        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(train()) < 2:
+            time.sleep(0.2)  # training under way: weights past version 0 applied
+        os.kill(pids[1], signal.SIGKILL)  # the engine core
+        lines, m = [], None
+        while time.monotonic() < deadline and m is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = RESTARTED.search(line)
+        assert m, "".join(lines)[-3000:]
+        assert any("[rz] rollout engine died in the rollout process" in x for x in lines), "".join(lines)[-3000:]
+        assert int(m.group(2)) >= 1  # the newest applied weights, not the base model's
+        new_pids = [int(p) for p in m.group(1).split(",") if p.strip()]
+        assert new_pids and not set(new_pids) & set(pids)
+        seen = len(train())
+        while time.monotonic() < deadline and len(train()) < seen + 2:
+            time.sleep(0.2)  # updates on batches of the new engine
+        rows = train()
+        assert len(rows) >= seen + 2, (seen, rows[-2:])
+        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and all(r["lag_max"] <= 1 for r in rows)
+        pids += new_pids
+        os.kill(pids[0], signal.SIGKILL)  # the rollout process
         t0 = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=90)
+        proc.wait(timeout=90)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    drain.join(30)
+    stderr = "".join(err)
     assert proc.returncode != 0
     assert "RolloutProcessError" in stderr and f"rollout process (pid {pids[0]}) exited with code -9" in stderr, stderr[-3000:]
     assert took < 60, took
-    assert _wait_gone(pids, 10) == []  # no orphaned vLLM engine core / worker
+    assert _wait_gone(pids, 10) == []  # no orphaned vLLM engine core / worker, old or new
 
 
 @pytest.mark.slow
