@@ -40,10 +40,11 @@ demo: install
 
 # make test runs the test files on TEST_WORKERS pytest-xdist workers (a file's tests stay on one
 # worker: its module-scoped engines are shared). Most tests wait on process start-up, engine
-# start-up and collectives, so two workers keep a 2-core box busy; OMP_WAIT_POLICY=PASSIVE makes
-# idle OpenMP threads sleep instead of spinning, which otherwise thrashes when the two workers'
-# processes share the cores (see DEMO_ENV). TEST_WORKERS=0 runs them in one process.
-TEST_WORKERS ?= 2
+# start-up and collectives: with two workers a 2-core box was busy 60% of the time (CPU 52 min over
+# 43 min of wall time), so three; OMP_WAIT_POLICY=PASSIVE makes idle OpenMP threads sleep instead
+# of spinning, which otherwise thrashes when the workers' processes share the cores (see
+# DEMO_ENV). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 3
 test: install
 	@t0=$$(date +%s); OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=80 tests; rc=$$?; \

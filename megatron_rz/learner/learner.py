@@ -55,7 +55,6 @@ from megatron_rz.learner import hf_convert
 from megatron_rz.learner.model import build_gpt_model, init_parallel
 from megatron_rz.recipe import AlgoConfig, ModelConfig, ParallelConfig
 from kernels.sampling import truncation_active
-from vllm_bridge.transport import DEFAULT_BUCKET_BYTES
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -280,68 +279,11 @@ class Learner:
         """Collective generator of (HF name, full tensor); see hf_convert.export_hf_weights."""
         return hf_convert.export_hf_weights(self.model, self.model_cfg)
 
-    def hf_weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        """Collective generator of the weights as buckets ({HF name: tensor} of about
-        ``bucket_bytes``) for a WeightTransport (vllm_bridge.transport). Every rank must walk it to
-        the end in step (export_hf_weights gathers TP/EP shards inside the iteration); global
-        rank 0 yields the buckets, the other ranks yield nothing. No rank holds more than the
-        bucket being filled plus the tensor being gathered beyond its own shards (never a whole
-        model). Tensors are detached copies on the learner's device."""
-        from vllm_bridge.transport import iter_buckets
-
-        stream = self.export_hf_weights()
-        if dist.get_rank() != 0:
-            for _ in stream:
-                pass
-            return
-        yield from iter_buckets(stream, bucket_bytes, device=None)
-
-    def write_resharded(self, layout, transport, version: int) -> dict:
-        """Collective: this version's weights as each engine worker's shard, without a full tensor on
-        any rank (vllm_bridge/reshard.py; docs/tp.md "Resharding learner -> engine").
-
-        ``layout``: the engine's reshard.EngineLayout (engine_layout(engine), the same on every rank);
-        ``transport``: a reshard.ShardedFilesystemTransport on a directory every rank can write.
-        Every rank lists the HF pieces it holds (hf_convert.local_hf_pieces: no collective), the
-        pieces' metadata is all-gathered (names, shapes, boxes: no tensor data), every rank computes
-        the same plan and writes only the narrows of its own pieces that the plan gives it, one part
-        file per engine rank; global rank 0 commits once every rank wrote. Returns, on every rank,
-        {"update" (rank 0; None elsewhere), "written" {engine rank: file bytes}, "sent_bytes",
-        "transfers" (this rank's), "pieces" (what it holds), "expected" (rank 0: the merged
-        checksums of every engine parameter, for reshard.check_resharded)}."""
-        from vllm_bridge import reshard
-
-        rank, world = dist.get_rank(), dist.get_world_size()
-        pieces, tensors = [], {}
-        for name, t, full, box in hf_convert.local_hf_pieces(self.model, self.model_cfg):
-            p = reshard.Piece(name, tuple(full), tuple(box), str(t.dtype).replace("torch.", ""))
-            pieces.append(p)
-            tensors[(name, p.box)] = t
-        everyone = [None] * world
-        dist.all_gather_object(everyone, pieces)
-        transfers = reshard.plan(everyone, layout)
-        mine = [t for t in transfers if t.sender == rank]
-        if rank == 0:
-            transport.prepare(version)
-        dist.barrier()
-        parts: dict[int, dict[str, torch.Tensor]] = {}
-        sent = []
-        for t in mine:
-            x = reshard.narrow(tensors[(t.name, t.piece_box)], reshard.relative(t.box, t.piece_box)).cpu()
-            parts.setdefault(t.engine_rank, {})[reshard.box_key(t.name, t.box)] = x
-            sent.append(x)
-        written = transport.write(version, rank, parts)
-        expected = reshard.expected_checksums(mine, sent, layout)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, expected)
-        dist.barrier()  # every rank's parts are on disk
-        update = transport.commit(version, world) if rank == 0 else None
-        merged: dict = {}
-        for part in gathered:
-            for k, v in part.items():
-                merged[k] = (merged.get(k, 0) + v) % (1 << 64)
-        return {"update": update, "written": written, "sent_bytes": sum(t.nbytes for t in mine), "transfers": mine,
-                "pieces": pieces, "expected": merged if rank == 0 else None}
+    def local_hf_pieces(self):
+        """This rank's weights as HF-named pieces, no collective: (HF name, local tensor, full HF
+        shape, the piece's box in it) per piece (hf_convert.local_hf_pieces), for a resharded sync
+        (megatron_rz.loop.weights.write_resharded)."""
+        return hf_convert.local_hf_pieces(self.model, self.model_cfg)
 
     # ------------------------------------------------------------------ checkpoints
 

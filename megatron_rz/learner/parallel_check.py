@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
 
 from megatron_rz.recipe import load_recipe
 
@@ -61,8 +62,11 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
         if save_after == i + 1:
             learner.save_checkpoint(save_dir)
     after = learner.logprobs(ids)
-    # the weights as the trainer streams them to the rollout: small buckets (many of them), rank 0 only
-    weights = {k: v for bucket in learner.hf_weight_buckets(1 << 16) for k, v in bucket.items()}
+    # the weights as the trainer streams them to the rollout (Learner.export_hf_weights, a collective
+    # every rank walks to the end), kept on rank 0 only
+    weights = {k: v.detach().clone() for k, v in learner.export_hf_weights()}
+    if dist.get_rank() != 0:
+        weights = {}
     return {
         "logprobs_before": before,
         "logprobs_after": after,
@@ -74,7 +78,6 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
 
 
 def main(argv=None) -> None:
-    import torch.distributed as dist
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf-dir", required=True)

@@ -408,7 +408,7 @@ class InlineRollout:
         return self._layout, str(self.run_dir / "rollout" / "weights-resharded")
 
     def apply_resharded(self, written: dict, *, verify: bool = False) -> dict:
-        """Load a committed resharded version (Learner.write_resharded's result on rank 0) into the
+        """Load a committed resharded version (megatron_rz.loop.weights.write_resharded's result on rank 0) into the
         local engine; ``verify``: every parameter of every worker against the bytes the learner
         ranks sent (vllm_bridge.reshard.check_resharded). The files are deleted afterwards."""
         from vllm_bridge.reshard import ShardedFilesystemTransport, check_resharded, worker_checksums

@@ -5,7 +5,7 @@ the task and the logs. One update is
 
     batch k   <- the rollout (rank 0; broadcast to the other ranks), lag bound checked
     update    learner.train_step on batch k (weights v0 + k -> v0 + k + 1)
-    weights   learner.hf_weight_buckets() (collective bucket stream in HF names) -> the rollout's
+    weights   megatron_rz.loop.weights.hf_buckets(learner) (collective bucket stream in HF names) -> the rollout's
               weight transport (vllm_bridge.transport), version v0 + k + 1
 
 and the rollout behind ``rollout`` depends on the schedule (``open_rollout``):
@@ -48,6 +48,7 @@ from megatron_rz.loop.metrics import MetricsLogger, plot_run, run_summary
 from megatron_rz.learner.ranks import broadcast_object as broadcast, rank
 from megatron_rz.recipe import Recipe, dump_recipe
 from megatron_rz.loop.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
+from megatron_rz.loop import weights
 from megatron_rz.loop.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
 
 
@@ -150,7 +151,7 @@ def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str 
         return push_resharded(learner, rollout, step, verify=verify)
     while True:
         tally = [0]
-        buckets = _counted(learner.hf_weight_buckets(), tally)
+        buckets = _counted(weights.hf_buckets(learner), tally)
         status, error = _on_rank0(rollout, step, learner.version,
                                   lambda: rollout.push_weights(buckets, learner.version, verify=verify),
                                   cleanup=lambda: _drain(buckets))
@@ -162,7 +163,7 @@ def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str 
 def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
     """Collective, rollout.weight_sync=reshard (docs/tp.md "Resharding learner -> engine"): rank 0
     asks the local engine for its layout and broadcasts it with the parts directory, every rank
-    writes its parts (Learner.write_resharded: no full tensor on any rank), rank 0 loads them into
+    writes its parts (weights.write_resharded: no full tensor on any rank), rank 0 loads them into
     the engine (each worker reads only its own) and, with ``verify``, checks every parameter's
     bytes. A dead engine is restarted and the push re-run, as push_weights does."""
     from vllm_bridge.reshard import ShardedFilesystemTransport
@@ -173,7 +174,7 @@ def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
         if _agree(status, error, f"the engine layout for the weight push of update {step + 1}") == "restart":
             continue
         layout, directory = broadcast(target[0] if target else None)
-        written = learner.write_resharded(layout, ShardedFilesystemTransport(directory), learner.version)
+        written = weights.write_resharded(learner, layout, ShardedFilesystemTransport(directory), learner.version)
         status, error = _on_rank0(rollout, step, learner.version,
                                   lambda: rollout.apply_resharded(written, verify=verify))
         if _agree(status, error, f"the resharded weight push of update {step + 1}") == "ok":
@@ -261,7 +262,7 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
         return rollout
     init = None
     if resumed:  # the rollout starts from the learner's weights: that version on disk first
-        buckets = learner.hf_weight_buckets()
+        buckets = weights.hf_buckets(learner)
         if rank0:
             init = rollout_process.FilesystemTransport(run_dir / rollout_process.WEIGHTS_DIR).push(buckets, v0).paths
         else:
@@ -439,7 +440,7 @@ def train(recipe: Recipe) -> dict:
         learner.save_checkpoint(checkpoint_dir(run_dir, end), step=end)
         r = recipe.rollout
         final_eval = evaluate(learner, rollout, end - 1, final=True, weight_sync=r.weight_sync, verify=r.verify_sync)
-        buckets = learner.hf_weight_buckets()  # collective: every rank walks it
+        buckets = weights.hf_buckets(learner)  # collective: every rank walks it
         if not rank0:
             _drain(buckets)
             return {}

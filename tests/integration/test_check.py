@@ -28,19 +28,8 @@ def moe_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("check_moe")
 
 
-def test_aligned_tiny_moe_is_bitwise_everywhere(moe_dir):
-    out, report = _rz_check("tiny_moe.yaml", moe_dir, "mode=aligned")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert report["all_bitwise_equal"] is True
-    names = list(report["scenarios"])
-    assert any("16 concurrent" in n for n in names) and any("one sequence at a time" in n for n in names)
-    assert any("extra pad" in n for n in names)
-    for name, s in report["scenarios"].items():
-        assert s["tokens"] > 0 and s["frac_bitwise"] == 1.0 and s["max_abs_dlogp"] == 0.0 and s["d3"] == 0.0, name
-
-
 def test_fast_tiny_moe_reports_nonzero_mismatch(moe_dir):
-    # Same base model as the aligned test (the run dir is shared): only the numerics differ.
+    # Same base model as the aligned runs below (the run dir is shared): only the numerics differ.
     out, report = _rz_check("tiny_moe.yaml", moe_dir, "mode=fast")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert report["all_bitwise_equal"] is False
@@ -96,11 +85,13 @@ def test_aligned_tiny_dsv3_bf16_is_bitwise(tmp_path):
     assert report["dtype"] == "bfloat16" and report["arch"] == "deepseek_v3" and report["all_bitwise_equal"] is True
 
 
-# Sampling post-processing: a few temperature / top-k / top-p settings on ONE engine and
-# ONE learner (megatron_rz.tools.check.run_check's sampling_grid), the last with vLLM sampling at top_k=2
+# Aligned tiny_moe at the default sampling (temperature 1), then a few temperature / top-k / top-p
+# settings, on ONE engine and ONE learner (megatron_rz.tools.check.run_check's sampling_grid; the
+# CLI path of rz check runs in the other tests of this file), the last with vLLM sampling at top_k=2
 # while the contract (learner, reference) says 3: the localiser must name the sampling stage, with
 # every forward tap and the logits equal. (The full grid, by hand: benchmarks/sampling_grid.py.)
 SAMPLING_GRID = [
+    {"temperature": 1.0},
     {"temperature": 0.7, "top_p": 0.9},
     {"temperature": 1.3, "top_k": 5},
     {"temperature": 1.0, "top_k": 20, "top_p": 0.5},
@@ -116,7 +107,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def test_sampling_grid_is_bitwise_and_the_localiser_names_the_sampling_stage(moe_dir):
+def test_aligned_tiny_moe_and_a_sampling_grid_are_bitwise_and_the_localiser_names_the_sampling_stage(moe_dir):
     cmd = [sys.executable, "-c", _GRID_SCRIPT, str(ROOT / "recipes" / "tiny_moe.yaml"), json.dumps(SAMPLING_GRID),
            f"logging.run_dir={moe_dir}", *SMALL, "mode=aligned"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
@@ -125,13 +116,19 @@ def test_sampling_grid_is_bitwise_and_the_localiser_names_the_sampling_stage(moe
     report = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("REPORT "))[7:])
     grid = report["grid"]
     assert [g["sampling"] for g in grid] == [
+        {"temperature": 1.0, "top_k": -1, "top_p": 1.0},
         {"temperature": 0.7, "top_k": -1, "top_p": 0.9}, {"temperature": 1.3, "top_k": 5, "top_p": 1.0},
         {"temperature": 1.0, "top_k": 20, "top_p": 0.5}, {"temperature": 1.0, "top_k": 3, "top_p": 1.0}]
-    for g in grid[:3]:
+    # every scenario: batched, one sequence at a time, learner micro-batches, extra padding
+    names = list(grid[0]["scenarios"])
+    assert any("concurrent" in n for n in names) and any("one sequence at a time" in n for n in names)
+    assert any("extra pad" in n for n in names)
+    for g in grid[:4]:
         assert g["all_bitwise_equal"] is True, g
         for name, s in g["scenarios"].items():
             assert s["tokens"] > 0 and s["frac_bitwise"] == 1.0 and s["tokens_outside_kept"] == 0, (g["sampling"], name)
-    bad = grid[3]
+            assert s["max_abs_dlogp"] == 0.0 and s["d3"] == 0.0, (g["sampling"], name)
+    bad = grid[4]
     assert bad["all_bitwise_equal"] is False and bad["inject_fault"] == "vllm:sampling.top_k=2"
     loc = bad["localisation"]
     assert loc["vllm"]["first_diverging_tap"] == "sampling", loc

@@ -55,7 +55,9 @@ def _step(learner, r):
 
 def _weights(learner) -> dict:
     """Full HF-named tensors on rank 0 ({} elsewhere): every rank walks the bucket stream."""
-    return {k: v.clone() for bucket in learner.hf_weight_buckets(1 << 16) for k, v in bucket.items()}
+    from megatron_rz.loop.weights import hf_buckets
+
+    return {k: v.clone() for bucket in hf_buckets(learner, 1 << 16) for k, v in bucket.items()}
 
 
 def _run(learner, r, load=None, pre: int = 0, save=None, post: int = 1) -> dict:

@@ -6,8 +6,8 @@ without a full tensor on any learner rank and without any engine worker reading 
 * The engines start on the random checkpoint (recipes/tiny_moe.yaml with 4 KV heads so TP=4
   divides them) and report their layout (worker_ext.rz_shard_layout); the learner (torchrun, this
   file as its worker) trains one step, then writes (a) the full-copy version through
-  hf_weight_buckets + FilesystemTransport (rank 0 holds and writes every full tensor) and (b) one
-  resharded version per engine layout (Learner.write_resharded: every rank writes its parts).
+  megatron_rz.loop.weights.hf_buckets + FilesystemTransport (rank 0 holds and writes every full tensor) and (b) one
+  resharded version per engine layout (megatron_rz.loop.weights.write_resharded: every rank writes its parts).
   During (b) no tensor collective runs (torch.distributed's all_gather / broadcast / all_reduce /
   ... are wrapped and counted: zero; only the pieces' metadata goes through all_gather_object).
 * Every part a learner rank sent is cut from a piece it holds (routed experts: only its EP
@@ -59,6 +59,7 @@ def worker(argv=None) -> None:
 
     from megatron_rz.learner.learner import Learner
     from megatron_rz.learner.parallel_check import fixed_batch, reinforce_loss
+    from megatron_rz.loop import weights
     from megatron_rz.recipe import load_recipe
     from vllm_bridge import reshard
     from vllm_bridge.transport import FilesystemTransport
@@ -79,7 +80,7 @@ def worker(argv=None) -> None:
 
     rec = {"rank": rank, "ep_rank": ps.get_expert_model_parallel_rank(), "version": learner.version}
     # (a) the full copy: every full tensor on rank 0, written there
-    buckets = learner.hf_weight_buckets()
+    buckets = weights.hf_buckets(learner)
     if rank == 0:
         up = FilesystemTransport(out_dir / "full").push(buckets, learner.version)
         rec["full"] = {"paths": up.paths, "bytes": up.info["bytes"]}
@@ -103,7 +104,7 @@ def worker(argv=None) -> None:
             setattr(dist, n, counting(n, fn))
         t0 = time.perf_counter()
         try:
-            res = learner.write_resharded(layout, reshard.ShardedFilesystemTransport(out_dir / f"tp{tp}"),
+            res = weights.write_resharded(learner, layout, reshard.ShardedFilesystemTransport(out_dir / f"tp{tp}"),
                                           learner.version)
         finally:
             for n, fn in saved.items():

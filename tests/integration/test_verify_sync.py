@@ -49,16 +49,14 @@ REPORT: dict = {"flips": {}}
 
 
 class _Learner:
-    """The learner as fetch_batch sees it: a version and its weights as a bucket stream (the trained
-    state dict), what the restart path re-pushes."""
+    """The learner as fetch_batch sees it: a version and its weights as an HF-named stream (the
+    trained state dict), what the restart path re-pushes."""
 
     def __init__(self, sd: dict, version: int):
         self.sd, self.version = sd, version
 
-    def hf_weight_buckets(self):
-        from vllm_bridge.transport import iter_buckets
-
-        return iter_buckets(self.sd.items(), 256 << 10)
+    def export_hf_weights(self):
+        return iter(self.sd.items())
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +216,7 @@ def test_flips_filesystem(setup, monkeypatch):
 
 
 def _write_resharded(sd: dict, layout, transport, version: int) -> dict:
-    """One learner rank holding every full tensor: Learner.write_resharded's steps (plan, parts,
+    """One learner rank holding every full tensor: megatron_rz.loop.weights.write_resharded's steps (plan, parts,
     expected checksums, commit) on a state dict, through the real reshard module."""
     from vllm_bridge import reshard
 

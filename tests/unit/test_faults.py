@@ -359,9 +359,9 @@ class _FailingPush:
 class _PushLearner:
     version = 7
 
-    def hf_weight_buckets(self):
-        yield {"model.norm.weight": torch.ones(2)}
-        yield {"model.embed_tokens.weight": torch.ones(2, 2)}
+    def export_hf_weights(self):
+        yield "model.norm.weight", torch.ones(2)
+        yield "model.embed_tokens.weight", torch.ones(2, 2)
 
 
 def test_weight_push_asks_for_a_restart_only_when_the_engine_died():

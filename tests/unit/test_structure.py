@@ -3,7 +3,7 @@
 Rules (docs: ../shared/ARCHITECTURE.md, docs/architecture.md): no import circles among the
 project modules (function-level imports included); ``kernels`` imports neither vLLM nor Megatron;
 ``vllm_bridge`` imports nothing from ``megatron_rz``; ``megatron_rz`` imports nothing from
-``vllm_bridge.aligned``; no module reads another project module's private (``_x``) names;
+``vllm_bridge.aligned`` and ``megatron_rz.learner`` nothing from ``vllm_bridge`` or vLLM; no module reads another project module's private (``_x``) names;
 ``megatron_rz``'s role sub-packages import only downwards (``LAYERS``).
 
 Run as a script (``python tests/unit/test_structure.py``) to print every cycle and violation.
@@ -271,6 +271,13 @@ def test_vllm_bridge_never_imports_megatron():
 
 def test_learner_never_imports_aligned_vllm_classes():
     assert not _imports_from(_modules(), "megatron_rz", ("vllm_bridge.aligned",))
+
+
+def test_learner_package_never_imports_the_bridge():
+    """The learner yields HF-named tensors and pieces; bucketing, transports and resharding plans are
+    the loop's (megatron_rz.loop.weights) and the bridge's business."""
+    bad = _imports_from(_modules(), "megatron_rz.learner", ("vllm_bridge", "vllm"))
+    assert not bad, bad
 
 
 # megatron_rz's sub-packages by role, lowest first: a module may import megatron_rz modules of its
