@@ -1,6 +1,6 @@
 """Resharding learner layout -> engine layout without a full copy (docs/tp.md "Resharding learner -> engine").
 
-The full-copy weight sync (Learner.hf_weight_buckets) gathers every tensor whole to learner rank 0
+The full-copy weight sync (megatron_rz.loop.weights.hf_buckets) gathers every tensor whole to learner rank 0
 and sends every whole tensor to every engine worker, which narrows it to its shard. Here instead:
 
 * **Engine layout, from the engine** (``engine_layout``): every worker reports, through the worker

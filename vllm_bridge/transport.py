@@ -1,7 +1,7 @@
 """Weight transport: how a learner's new weights reach a rollout engine.
 
 What travels is a *bucketed stream* of (Hugging Face name, tensor) plus one version number: the
-learner (megatron_rz.learner.learner.Learner.hf_weight_buckets) yields buckets of about ``bucket_bytes``
+learner (megatron_rz.loop.weights.hf_buckets) yields buckets of about ``bucket_bytes``
 on its rank 0, so no rank ever holds more than one bucket beyond its own shards. A transport
 moves the stream to an engine; the engine applies it with its one staging protocol
 (RolloutEngine.apply_weights: abort -> stage every bucket -> commit (one in-place reload) ->
