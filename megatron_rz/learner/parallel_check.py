@@ -78,7 +78,6 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
 
 
 def main(argv=None) -> None:
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)

@@ -220,9 +220,9 @@ def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: 
 
 def evaluate(learner, rollout, step: int, *, final: bool = False, weight_sync: str = "full", verify: bool = True):
     """Collective: the evaluation after update ``step`` + 1 on rank 0 (``final``: rollout.finish, the
-    last one, which also closes the rollout; else rollout.evaluate); its value on rank 0, None elsewhere. A local engine that dies meanwhile is restarted,
-    the current weights pushed (``verify``: and verified) and the evaluation run again, as
-    fetch_batch does for a batch."""
+    last one, which also closes the rollout; else rollout.evaluate); its value on rank 0, None
+    elsewhere. A local engine that dies meanwhile is restarted, the current weights pushed
+    (``verify``: and verified) and the evaluation run again, as fetch_batch does for a batch."""
     from vllm_bridge.engine import RolloutEngineError
 
     while True:
