@@ -487,14 +487,21 @@ class RolloutEngine:
     def paused(self):
         """vLLM's scheduler paused at the next engine-step boundary with in-flight requests kept
         resident (their KV cache too), resumed on exit: weights change between two engine steps."""
-        with self.guard("pause_scheduler"):
-            self.llm_engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        core = self.llm_engine.engine_core
+        self._utility("pause_scheduler", lambda: core.call_utility("pause_scheduler", "keep", False))
         try:
             yield
         finally:
             if self.dead_reason() is None:
-                with self.guard("resume_scheduler"):
-                    self.llm_engine.engine_core.call_utility("resume_scheduler")
+                self._utility("resume_scheduler", lambda: core.call_utility("resume_scheduler"))
+
+    def _utility(self, what: str, fn: Callable[[], Any]) -> Any:
+        """One blocking call into the engine core (vLLM's call_utility: pause / resume the
+        scheduler, the weight-version label, the prefix-cache reset) under guard and the death
+        watch: vLLM's SyncMPClient.call_utility waits on its future forever when the engine core
+        dies meanwhile (its monitor marks the engine dead but fails no pending future)."""
+        with self.guard(what):
+            return self._watched(fn, what)
 
     def _beat_engine_steps(self) -> None:
         """Note the time of every engine step that returns (LLM.generate and StreamingGenerator both
@@ -774,8 +781,9 @@ class RolloutEngine:
         blocks that are in use)."""
         from vllm_bridge import vllm_compat
 
-        with self.guard("set_weight_version"):
-            vllm_compat.set_weight_version(self.llm_engine, version)  # 0.26 cannot label (vllm_compat item 4)
+        llm_engine = self.llm_engine
+        # 0.26 cannot label (vllm_compat item 4)
+        self._utility("set_weight_version", lambda: vllm_compat.set_weight_version(llm_engine, version))
         self._version = int(version)
 
     def update_weights(

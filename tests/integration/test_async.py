@@ -244,9 +244,15 @@ def test_rollout_engine_death_is_restarted_then_killing_rollout_process_fails_le
     run_dir = tmp_path / "run"
     _prep(run_dir, base_model)
     proc, pids = _start(run_dir, "schedule.steps=500", "schedule.max_lag=1")
+    import queue
+
     err: list[str] = []
     drain = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # vLLM logs: never a full pipe
     drain.start()
+    out: queue.Queue = queue.Queue()  # stdout lines read beside the test: its deadline holds even if the run hangs
+    reader = threading.Thread(target=lambda: [out.put(x) for x in iter(proc.stdout.readline, "")] + [out.put(None)],
+                              daemon=True)
+    reader.start()
     train = lambda: [r for r in _rows(run_dir) if "lag_max" in r]  # noqa: E731
     try:
         deadline = time.monotonic() + 300
@@ -255,8 +261,11 @@ def test_rollout_engine_death_is_restarted_then_killing_rollout_process_fails_le
         os.kill(pids[1], signal.SIGKILL)  # the engine core
         lines, m = [], None
         while time.monotonic() < deadline and m is None:
-            line = proc.stdout.readline()
-            if not line:
+            try:
+                line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
                 break
             lines.append(line)
             m = RESTARTED.search(line)

@@ -317,10 +317,35 @@ def test_deepseek_v3_mla_generate_and_sync(tmp_path):
 
 
 def test_killed_engine_raises_clear_error(engine):
-    """Last on the shared engine: kill its engine-core process (started by this test session)."""
+    """Last on the shared engine. Its engine core dies in the middle of a blocking call into it:
+    SIGSTOP (the core stops answering), then the scheduler pause of a weight swap (vLLM's
+    call_utility, which waits on its future forever when the core dies), then SIGKILL 1 s into
+    that call: RolloutEngineError naming the death within seconds, not a hang. Every later call
+    is refused at once, and close() leaves no vLLM process."""
+    import threading
+
     pid = engine.engine_pids()[0]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGSTOP)
+    box: dict = {}
+
+    def pause() -> None:
+        try:
+            with engine.paused():
+                box["paused"] = True
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            box["err"] = e
+
+    t = threading.Thread(target=pause, daemon=True)
+    t0 = time.perf_counter()
+    t.start()
     time.sleep(1.0)
+    assert t.is_alive() and "paused" not in box  # blocked in call_utility on a stopped core
+    os.kill(pid, signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive(), "engine.paused() still blocked 30 s after its engine core was killed"
+    assert isinstance(box.get("err"), RolloutEngineError), box
+    assert "during pause_scheduler" in str(box["err"]) and "build a new RolloutEngine" in str(box["err"])
+    REPORT["death_mid_utility_call_s"] = time.perf_counter() - t0 - 1.0
     t0 = time.perf_counter()
     with pytest.raises(RolloutEngineError, match="dead.*build a new RolloutEngine"):
         engine.generate(PROMPTS, 1, max_new_tokens=4)
