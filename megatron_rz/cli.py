@@ -127,6 +127,16 @@ def _load(args):
         if not torch.cuda.is_available():
             raise RecipeError("warm_start.device=cuda but this machine has no CUDA device: run the recipe on "
                               "a GPU machine or set warm_start.device=cpu")
+    if recipe.rollout.weight_transport == "nccl" and recipe.rollout.where == "local":
+        import torch
+
+        from vllm_bridge.weights import refusal
+
+        r = recipe.rollout
+        why = refusal(r.weight_transport, where=r.where, max_lag=recipe.schedule.max_lag, mode=recipe.mode,
+                      reshard_ok=False, cuda=torch.cuda.is_available())
+        if why:
+            raise RecipeError(why)
     return recipe
 
 

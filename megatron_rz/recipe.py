@@ -17,7 +17,9 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kernels.families import FAMILIES, NAMES, Family, family
 from megatron_rz.cluster import ClusterConfig
+from vllm_bridge.weights import refusal as weight_transport_refusal
 
 
 class RecipeError(ValueError):
@@ -47,7 +49,7 @@ class ModelConfig(_Strict):
     # kimi_k3: Kimi-Linear / K3 class (KDA + NoPE MLA + latent MoE): learner megatron_rz/learner/kimi_k3.py
     # (DP + EP), kernels/models/kimi_k3.py, vllm_bridge/aligned/kimi_k3.py. KDA heads = num_attention_heads of
     # head_dim; MLA sizes as deepseek_v3's keys; the K3 options are set in tiny_models.TINY_KIMI_K3.
-    arch: Literal["qwen3_moe", "qwen2", "deepseek_v3", "deepseek_v4", "deepseek_v41", "kimi_k3"] = "qwen3_moe"
+    arch: Literal[NAMES] = "qwen3_moe"  # a kernels/families.py entry
     # A Hugging Face checkpoint directory to start from (config.json, *.safetensors, tokenizer; on a
     # filesystem every node sees) instead of the tiny-model warm start. Its config must match this
     # section (megatron_rz/learner/pretrained.py checks it before anything starts).
@@ -119,56 +121,52 @@ class ModelConfig(_Strict):
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}; pick num_kv_heads dividing it"
             )
-        if self.arch == "qwen2":
-            if self.num_experts or self.top_k:
-                raise ValueError(f"model.arch=qwen2 is dense: set model.num_experts=0 and model.top_k=0 "
-                                 f"(got {self.num_experts}, {self.top_k})")
-            if self.head_dim * self.num_attention_heads != self.hidden_size:
-                raise ValueError(
-                    f"model.arch=qwen2 has head_dim = hidden_size / num_attention_heads: model.head_dim={self.head_dim} "
-                    f"x {self.num_attention_heads} heads != hidden_size={self.hidden_size}; set model.head_dim="
-                    f"{self.hidden_size // self.num_attention_heads}")
-        if self.arch in ("qwen3_moe", "qwen2") and self.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256):
-            raise ValueError(
-                f"head_dim={self.head_dim}: vLLM's CPU attention supports head_dim in "
-                "{32, 64, 80, 96, 112, 128, 160, 192, 224, 256}; set model.head_dim=32 or 64"
-            )
-        if self.arch == "deepseek_v3":
-            if self.kv_lora_rank != 512 or self.qk_rope_head_dim != 64:
-                raise ValueError(
-                    "deepseek_v3 on vLLM-CPU needs model.kv_lora_rank=512 and model.qk_rope_head_dim=64 "
-                    f"(got {self.kv_lora_rank}, {self.qk_rope_head_dim})"
-                )
-            if self.num_experts % self.router_num_groups:
-                raise ValueError(
-                    f"router_num_groups={self.router_num_groups} must divide num_experts={self.num_experts}"
-                )
-            if self.router_group_topk > self.router_num_groups:
-                raise ValueError("model.router_group_topk cannot exceed model.router_num_groups")
-        if self.arch == "deepseek_v4" and (
-            len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 4, 128}
-        ):
-            raise ValueError("deepseek_v4 needs model.compress_ratios: one of 0, 4, 128 per layer (num_layers entries)")
-        if self.arch == "deepseek_v41" and (len(self.compress_ratios) != self.num_layers or set(self.compress_ratios) - {0, 1, 2}):
-            raise ValueError("deepseek_v41 needs model.compress_ratios: one of 0, 1, 2 per layer (num_layers entries; "
-                             "the tiny models' kv / index sources: the first layer of each run of one ratio)")
-        if self.arch in ("deepseek_v4", "deepseek_v41") and not 0 <= self.num_hash_layers <= self.num_layers:
-            raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
-        if self.fp8 != "none" and self.arch == "qwen2":
-            raise ValueError("model.fp8=blockwise is implemented for qwen3_moe and deepseek_v3 (the learner's FP8 fused "
-                             "q/k/v linear has no bias yet); set model.fp8=none for qwen2")
-        if self.fp8 != "none" and self.arch in ("deepseek_v4", "deepseek_v41") and self.o_lora_rank % _FP8_BLOCK:
-            # kernels.models.dsv4.fp8_problems (engine TP > 1 rules: the planner's check_rollout_tp)
-            raise ValueError(
-                f"model.fp8=blockwise for {self.arch} needs model.o_lora_rank a multiple of {_FP8_BLOCK} (wo_a's "
-                f"output groups must start on {_FP8_BLOCK}-row weight blocks): got {self.o_lora_rank}; set "
-                f"model.o_lora_rank={-(-self.o_lora_rank // _FP8_BLOCK) * _FP8_BLOCK}, or model.fp8=none")
-        if self.arch == "kimi_k3" and (self.fp8 != "none" or self.router_score == "sqrtsoftplus"):
-            raise ValueError("model.arch=kimi_k3 routes with model.router_score sigmoid or softmax and has no FP8 "
-                             "path yet (model.fp8=none)")
+        self._family_rules(family(self.arch))
         if self.first_k_dense >= self.num_layers:
             raise ValueError("model.first_k_dense must leave at least one MoE layer (< num_layers)")
         return self
+
+    def _family_rules(self, f: Family) -> None:
+        """The recipe rules of model family ``f`` (kernels/families.py holds them as data)."""
+        if not f.moe and (self.num_experts or self.top_k):
+            raise ValueError(f"model.arch={f.name} is dense: set model.num_experts=0 and model.top_k=0 "
+                             f"(got {self.num_experts}, {self.top_k})")
+        if f.head_dim_from_hidden and self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(
+                f"model.arch={f.name} has head_dim = hidden_size / num_attention_heads: model.head_dim={self.head_dim} "
+                f"x {self.num_attention_heads} heads != hidden_size={self.hidden_size}; set model.head_dim="
+                f"{self.hidden_size // self.num_attention_heads}")
+        if f.cpu_head_dims and self.head_dim not in f.cpu_head_dims:
+            raise ValueError(
+                f"head_dim={self.head_dim}: vLLM's CPU attention supports head_dim in "
+                f"{{{', '.join(map(str, f.cpu_head_dims))}}}; set model.head_dim=32 or 64")
+        if f.vllm_cpu_sizes and any(getattr(self, k) != v for k, v in f.vllm_cpu_sizes):
+            raise ValueError(
+                f"{f.name} on vLLM-CPU needs " + " and ".join(f"model.{k}={v}" for k, v in f.vllm_cpu_sizes)
+                + f" (got {', '.join(str(getattr(self, k)) for k, _ in f.vllm_cpu_sizes)})")
+        if f.grouped_router:
+            if self.num_experts % self.router_num_groups:
+                raise ValueError(
+                    f"router_num_groups={self.router_num_groups} must divide num_experts={self.num_experts}")
+            if self.router_group_topk > self.router_num_groups:
+                raise ValueError("model.router_group_topk cannot exceed model.router_num_groups")
+        if f.compress_ratios and (len(self.compress_ratios) != self.num_layers
+                                  or set(self.compress_ratios) - set(f.compress_ratios)):
+            raise ValueError(f"{f.name} needs model.compress_ratios: one of {', '.join(map(str, f.compress_ratios))} "
+                             f"per layer (num_layers entries{f.compress_ratios_note})")
+        if f.hash_routing and not 0 <= self.num_hash_layers <= self.num_layers:
+            raise ValueError(f"model.num_hash_layers={self.num_hash_layers} must be in [0, num_layers={self.num_layers}]")
+        if self.router_score not in f.router_scores:
+            raise ValueError(f.router_refusal or f"model.router_score={self.router_score} is not one of "
+                             f"{', '.join(f.router_scores)} for model.arch={f.name}")
+        if self.fp8 != "none" and f.fp8_refusal:
+            raise ValueError(f.fp8_refusal)
+        if self.fp8 != "none" and f.fp8_o_lora_block and self.o_lora_rank % _FP8_BLOCK:
+            # kernels.models.dsv4.fp8_problems (engine TP > 1 rules: the planner's check_rollout_tp)
+            raise ValueError(
+                f"model.fp8=blockwise for {f.name} needs model.o_lora_rank a multiple of {_FP8_BLOCK} (wo_a's "
+                f"output groups must start on {_FP8_BLOCK}-row weight blocks): got {self.o_lora_rank}; set "
+                f"model.o_lora_rank={-(-self.o_lora_rank // _FP8_BLOCK) * _FP8_BLOCK}, or model.fp8=none")
 
 
 class ParallelConfig(_Strict):
@@ -243,12 +241,13 @@ class RolloutConfig(_Strict):
     # learner, the common deployment whose mismatch aligned mode exists to remove.
     dtype: Literal["float32", "bfloat16"] | None = None
     verify_sync: bool = True  # after each sync, check vLLM's logprobs now follow the new weights
-    # How the learner's weights reach the engine (docs/tp.md "Resharding learner -> engine"): "full" =
-    # every tensor gathered whole to learner rank 0 and sent whole to every engine worker; "reshard" =
-    # every learner rank writes only the engine workers' slices of what it holds (vllm_bridge/reshard.py)
-    # and each worker reads only its own: schedule.max_lag=0, rollout.where=local, mode=aligned,
-    # model.arch qwen3_moe / qwen2 / deepseek_v3.
-    weight_sync: Literal["full", "reshard"] = "full"
+    # How the learner's weights reach the engine (vllm_bridge/weights/select.py has the table): "auto" =
+    # in-process bytes for one local engine at max_lag 0, bucket files otherwise; "inprocess";
+    # "filesystem" (version directories of bucket files the workers read); "nccl" (vLLM's NCCL weight
+    # transfer, CUDA, engine on other GPUs); "reshard" (every learner rank writes only the engine
+    # workers' slices of what it holds, docs/tp.md "Resharding learner -> engine": max_lag 0, local,
+    # mode=aligned). Whole tensors otherwise: gathered to learner rank 0, sent to every worker.
+    weight_transport: Literal["auto", "inprocess", "filesystem", "nccl", "reshard"] = "auto"
     # Verify every parameter's bytes after every verify_every-th sync (1: every sync; the check reads the
     # weights once on each side, ~0.27 s per GB on one CPU core: docs/architecture.md "Reliability").
     verify_every: int = 1
@@ -544,7 +543,9 @@ class Recipe(_Strict):
                     kv_cache_gb=r.kv_cache_gb, max_model_len=self.model.max_position_embeddings,
                     aligned=self.mode == "aligned", tensor_parallel_size=r.tensor_parallel_size, fp8=self.model.fp8,
                     # only when > 1: the engine arguments of PP=1 recipes are unchanged
-                    **({"pipeline_parallel_size": r.pipeline_parallel_size} if r.pipeline_parallel_size > 1 else {}))
+                    **({"pipeline_parallel_size": r.pipeline_parallel_size} if r.pipeline_parallel_size > 1 else {}),
+                    # vLLM's NCCL weight-transfer engine in every worker (rollout.weight_transport=nccl)
+                    **({"weight_transfer_config": {"backend": "nccl"}} if r.weight_transport == "nccl" else {}))
 
     @model_validator(mode="after")
     def _sampling_contract(self) -> Recipe:
@@ -598,14 +599,11 @@ class Recipe(_Strict):
                 f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads} "
                 f"and model.num_kv_heads={m.num_kv_heads}"
             )
-        if self.rollout.weight_sync == "reshard":
-            for bad, why in ((self.schedule.max_lag != 0, f"schedule.max_lag={self.schedule.max_lag} (needs 0)"),
-                             (self.rollout.where != "local", f"rollout.where={self.rollout.where} (needs local)"),
-                             (self.mode != "aligned", f"mode={self.mode} (needs aligned)"),
-                             (m.arch not in ("qwen3_moe", "qwen2", "deepseek_v3"),
-                              f"model.arch={m.arch} (needs qwen3_moe, qwen2 or deepseek_v3)")):
-                if bad:
-                    raise ValueError(f"rollout.weight_sync=reshard does not support {why}; use rollout.weight_sync=full")
+        r = self.rollout
+        why = weight_transport_refusal(r.weight_transport, where=r.where, max_lag=self.schedule.max_lag, mode=self.mode,
+                                       reshard_ok=family(m.arch).reshard_pieces, arch=m.arch)
+        if why:
+            raise ValueError(why)
         if m.pretrained and "task" not in self.model_fields_set:
             raise ValueError(
                 f"model.pretrained={m.pretrained!r} with no task: section would train on the built-in toy task "
@@ -700,6 +698,10 @@ def _section(parts: list[str]) -> type[BaseModel] | None:
     return model
 
 
+# Keys that were renamed: the old spelling gets a one-line pointer to the new one.
+RENAMED = {"rollout.weight_sync": "rollout.weight_transport (full: auto; reshard: reshard)"}
+
+
 def _has_keys(ann) -> bool:
     """A field holding keys below it: a section, or a free-form mapping such as task.kwargs."""
     import typing
@@ -720,6 +722,8 @@ def apply_override(data: dict, dotted: str) -> None:
     for i, part in enumerate(parts):
         fields = model.model_fields if model is not None else {}
         if model is not None and part not in fields:
+            if ".".join(parts[:i + 1]) in RENAMED:
+                raise RecipeError(f"{'.'.join(parts[:i + 1])} is now {RENAMED['.'.join(parts[:i + 1])]}")
             where = ".".join(parts[:i]) or "the recipe"
             close = difflib.get_close_matches(part, list(fields), n=1)
             hint = f"; did you mean {'.'.join(parts[:i] + close)!r}?" if close else f"; valid keys: {', '.join(fields)}"
@@ -754,6 +758,8 @@ def _one_error(e: dict) -> str:
     leaf = str(e["loc"][-1]) if e["loc"] else ""
     field = parent.model_fields.get(leaf) if parent is not None else None
     if e["type"] == "extra_forbidden":
+        if loc in RENAMED:
+            return f"{loc} is now {RENAMED[loc]}"
         known = list(parent.model_fields) if parent else []
         close = difflib.get_close_matches(leaf, known, n=1)
         return f"{loc}: unknown key; " + (f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(known)}")
@@ -880,13 +886,14 @@ def fp8_tp_problems(m, tp: int) -> list[tuple[str, str]]:
         return []
     seg = _ROW_PARALLEL_K_SEGMENTS * _FP8_BLOCK
     out: list[tuple[str, str]] = []
-    if m.arch not in ("qwen3_moe", "deepseek_v3"):
-        out.append(("model.arch", f"is {m.arch}: learner FP8 at parallel.tp > 1 is implemented for qwen3_moe "
-                                  "and deepseek_v3 only"))
+    f = family(m.arch)
+    if not f.learner_fp8_tp:
+        fp8_tp = " and ".join(g.name for g in FAMILIES if g.learner_fp8_tp)
+        out.append(("model.arch", f"is {m.arch}: learner FP8 at parallel.tp > 1 is implemented for {fp8_tp} only"))
         return out
     dense = not m.num_experts or m.first_k_dense
     H = m.num_attention_heads
-    if m.arch == "deepseek_v3":
+    if f.mla:
         o_key, o_k = "model.num_attention_heads * model.v_head_dim", H * m.v_head_dim
         cols = {"model.num_attention_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim)":
                 H * (m.qk_nope_head_dim + m.qk_rope_head_dim),  # q_proj, or q_b with q_lora_rank

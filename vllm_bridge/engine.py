@@ -9,7 +9,7 @@
   checks and learner/rollout parity.
 * apply_weights(): the one weight-staging protocol (abort -> stage buckets -> commit with one
   in-place reload -> version -> prefix-cache reset) that every weight transport ends in
-  (vllm_bridge/transport.py: in-process, filesystem, NCCL); update_weights() pushes HF-named
+  (vllm_bridge/weights/: in-process, filesystem, NCCL, resharded); update_weights() pushes HF-named
   tensors through it.
 
 In-place weights on CPU: vLLM 0.32's own RL API (LLM.init_weight_transfer_engine /
@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from kernels.families import FAMILIES, Family
 from vllm_bridge.samples import Sample
-from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, WeightSyncError, check_weights, iter_buckets, readable,
-                                   stage_and_commit, to_safetensors)
+from vllm_bridge.weights.buckets import (DEFAULT_BUCKET_BYTES, WeightSyncError, iter_buckets, stage_and_commit,
+                                        to_safetensors)
+from vllm_bridge.weights.verify import check_weights, readable
 
 logger = logging.getLogger("vllm_bridge.engine")
 
@@ -126,14 +128,10 @@ def cpu_threads_bind(workers: int) -> str | None:
     return "|".join(",".join(map(str, share)) for share in shares)
 
 
-ALIGNED_CLASSES = {
-    "Qwen3MoeForCausalLM": "RZAlignedQwen3MoeForCausalLM",
-    "Qwen2ForCausalLM": "RZAlignedQwen2ForCausalLM",
-    "DeepseekV3ForCausalLM": "RZAlignedDeepseekV3ForCausalLM",
-    "DeepseekV4ForCausalLM": "RZAlignedDeepseekV4ForCausalLM",
-    "DeepseekV41ForCausalLM": "RZAlignedDeepseekV41ForCausalLM",
-    "KimiLinearForCausalLM": "RZAlignedKimiK3ForCausalLM",  # Kimi-Linear and K3 (vLLM's kimi_linear schema)
-}
+# a checkpoint's config.json class -> its model family (kernels.families: Kimi-Linear and K3 share
+# vLLM's kimi_linear schema)
+_FAMILY_OF_HF_CLASS = {f.hf_class: f for f in FAMILIES}
+ALIGNED_CLASSES = {name: f.aligned_class for name, f in _FAMILY_OF_HF_CLASS.items()}
 
 
 def _config(model_dir: str) -> dict:
@@ -169,15 +167,21 @@ def fp8_checkpoint(model_dir: str | os.PathLike, fp8: str, view_dir: str | os.Pa
     return str(view)
 
 
+def _family(model_dir: str) -> Family | None:
+    """The model family of the checkpoint's first ``architectures`` entry that names one."""
+    for a in _config(model_dir).get("architectures") or []:
+        if a in _FAMILY_OF_HF_CLASS:
+            return _FAMILY_OF_HF_CLASS[a]
+    return None
+
+
 def _aligned_architecture(model_dir: str) -> str:
-    archs = _config(model_dir).get("architectures") or []
-    for a in archs:
-        if a in ALIGNED_CLASSES:
-            return ALIGNED_CLASSES[a]
-    raise RolloutEngineError(
-        f"no aligned model class for architectures {archs} in {model_dir}; aligned mode supports "
-        f"{sorted(ALIGNED_CLASSES)} (use mode=fast for others)"
-    )
+    f = _family(model_dir)
+    if f is None:
+        raise RolloutEngineError(
+            f"no aligned model class for architectures {_config(model_dir).get('architectures') or []} in "
+            f"{model_dir}; aligned mode supports {sorted(ALIGNED_CLASSES)} (use mode=fast for others)")
+    return f.aligned_class
 
 
 def _is_mla_config(model_dir: str) -> bool:
@@ -187,7 +191,8 @@ def _is_mla_config(model_dir: str) -> bool:
 
 def _is_deepseek_v4(model_dir: str) -> bool:
     """The checkpoint's architecture is DeepSeek-V4 or V4.1 (vLLM's own class, or ours aligned)."""
-    return bool({"DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"} & set(_config(model_dir).get("architectures") or []))
+    f = _family(model_dir)
+    return f is not None and f.dsv4
 
 
 def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -247,8 +252,7 @@ def reap_process(pid: int, start: str | None, wait_s: float = 5.0) -> None:
 
 
 # Aligned classes that support vLLM pipeline parallelism (vllm_bridge.aligned._model's layer loop)
-PP_ALIGNED_ARCHITECTURES = ("RZAlignedQwen3MoeForCausalLM", "RZAlignedQwen2ForCausalLM",
-                            "RZAlignedDeepseekV3ForCausalLM")
+PP_ALIGNED_ARCHITECTURES = tuple(f.aligned_class for f in FAMILIES if f.aligned_pp)
 
 
 class RolloutEngine:
@@ -336,7 +340,7 @@ class RolloutEngine:
                 # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.
                 env["VLLM_MLA_DISABLE"] = "1"
-            if kwargs["hf_overrides"]["architectures"] == ["RZAlignedKimiK3ForCausalLM"]:
+            if _family(self.model_dir).attention == "kda":
                 # hybrid (KDA state cache): vLLM's prefix caching for it is mamba_cache_mode "align",
                 # which needs chunked prefill (off here, see above); the class is tested without it
                 kwargs["enable_prefix_caching"] = False
@@ -757,7 +761,7 @@ class RolloutEngine:
         the staged buckets (when the engine is still alive) and re-raises: the old weights and
         version stay. ``reload=False`` is a test hook that transfers but never loads (a broken sync
         verify_sync must catch). ``stage="rz_stage_shards"``: each payload is a resharded version
-        directory (vllm_bridge.reshard). Returns sizes and timings (also kept in ``last_sync``), and
+        directory (vllm_bridge.weights.reshard). Returns sizes and timings (also kept in ``last_sync``), and
         "workers", each worker's report of its last staged payload."""
         t0 = time.perf_counter()
         info = stage_and_commit(self._rpc, payloads, version, reload=reload, alive=lambda: self.dead_reason() is None,

@@ -17,7 +17,7 @@ the RolloutEngine surface the training loop uses, over HTTP:
   worker reads the shared run directory itself), rz_commit_weights(version) (one in-place reload),
   /update_weight_version (vLLM's per-token label), /reset_prefix_cache -- on every server;
   ``update_weights(named_tensors, version)`` writes the buckets with the filesystem transport
-  (vllm_bridge.transport.FilesystemTransport, RUN_DIR/rollout/weights) and applies them.
+  (vllm_bridge.weights.filesystem.FilesystemTransport, RUN_DIR/rollout/weights) and applies them.
   ``paused()`` wraps /pause?mode=keep ... /resume (in-flight requests stay, as in streaming.py).
 * ``verify_sync`` / ``update_weights(verify=True)``: every parameter of every worker of every server
   against the learner's bytes (transport.SyncCheck over /collective_rpc rz_verify_layout and
@@ -55,8 +55,9 @@ from typing import Any
 
 from vllm_bridge.engine import RolloutEngineError
 from vllm_bridge.samples import Sample
-from vllm_bridge.transport import (DEFAULT_BUCKET_BYTES, FilesystemTransport, SyncCheck, WeightUpdate, iter_buckets,
-                                   stage_and_commit)
+from vllm_bridge.weights.buckets import DEFAULT_BUCKET_BYTES, WeightUpdate, iter_buckets, stage_and_commit
+from vllm_bridge.weights.filesystem import FilesystemTransport
+from vllm_bridge.weights.verify import SyncCheck
 
 SERVERS_DIR = "rollout/servers"  # RUN_DIR/rollout/servers/<node>.json, written by each server when ready
 KEY_FILE = "rollout.key"  # RUN_DIR/rollout.key, mode 0600 (the batch script writes it)

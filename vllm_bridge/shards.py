@@ -1,4 +1,4 @@
-"""Boxes of tensors and the engine-side half of a resharded weight sync (vllm_bridge/reshard.py):
+"""Boxes of tensors and the engine-side half of a resharded weight sync (vllm_bridge/weights/reshard.py):
 a worker's layout and the assembly of its parts into its parameters' shards. Torch only; imported
 by the vLLM workers (worker_ext.rz_stage_shards) and by reshard.py."""
 

@@ -52,7 +52,7 @@ import torch
 from vllm_bridge import vllm_compat
 from vllm_bridge.engine import RolloutEngine, RolloutEngineError
 from vllm_bridge.samples import Sample
-from vllm_bridge.transport import WeightUpdate, iter_buckets, to_safetensors
+from vllm_bridge.weights.buckets import WeightUpdate, iter_buckets, to_safetensors
 
 
 @dataclass

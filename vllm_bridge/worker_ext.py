@@ -56,7 +56,7 @@ def tensor_bits(t: torch.Tensor) -> int:
     widened to int64 in one reused buffer, multiplied by the cached weight table and summed. Integer
     sums wrap mod 2^64 and do not depend on the order of the additions, so the result is the same on
     every device, thread count and chunking (``bit_patterns`` x ``bits_weights`` summed at once, as
-    vllm_bridge.reshard.part_bits does for a part, gives the same number). ~0.27 s per GB on one CPU
+    vllm_bridge.weights.reshard.part_bits does for a part, gives the same number). ~0.27 s per GB on one CPU
     core (docs/architecture.md "Reliability")."""
     x = t.detach().reshape(-1)
     if not x.is_contiguous():
@@ -98,13 +98,13 @@ def bit_patterns(t: torch.Tensor) -> torch.Tensor:
 
 def bits_weights(flat_index: torch.Tensor) -> torch.Tensor:
     """tensor_bits' odd position weights of flat positions (int64); the sum over parts of a tensor
-    of bits x weight is the tensor's (vllm_bridge.reshard.part_bits)."""
+    of bits x weight is the tensor's (vllm_bridge.weights.reshard.part_bits)."""
     return (flat_index % BITS_PERIOD) * 2 + 1
 
 
 def bits_entry(p: torch.Tensor) -> dict:
     """What an engine reports for one parameter in the every-parameter verification
-    (rz_shard_checksums; compared by vllm_bridge.reshard.check_resharded)."""
+    (rz_shard_checksums; compared by vllm_bridge.weights.reshard.check_resharded)."""
     return {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "bits": tensor_bits(p)}
 
 
@@ -194,7 +194,7 @@ class WeightSyncExtension:
 
     def rz_shard_checksums(self, names: list[str] | None = None) -> dict:
         """{"rank", "sums": bits_entry of every parameter} (names: only those): the read-back of the
-        every-parameter verification (vllm_bridge.transport.SyncCheck, reshard.check_resharded),
+        every-parameter verification (vllm_bridge.weights.verify.SyncCheck, weights.reshard.check_resharded),
         computed where the parameters live (on the device on GPU)."""
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
@@ -235,14 +235,14 @@ class WeightSyncExtension:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]
 
     def rz_shard_layout(self) -> dict:
-        """What this worker holds, for a resharded sync (vllm_bridge.reshard): its rank and, per
+        """What this worker holds, for a resharded sync (vllm_bridge.weights.reshard): its rank and, per
         parameter (HF name), the full tensor's shape and the box (per dimension [start, stop)) this
         worker holds of it, read from the aligned class's own ``rz_shards`` (name -> (dim, start,
         n) of a TP-split parameter; every other parameter is held whole)."""
         model = self.model_runner.get_model()
         if not hasattr(model, "rz_shards"):
             raise ValueError(f"rz_shard_layout: {type(model).__name__} is not an aligned class (no rz_shards): "
-                             "a resharded weight sync needs an aligned engine (rollout.weight_sync=full otherwise)")
+                             "a resharded weight sync needs an aligned engine (rollout.weight_transport=auto otherwise)")
         shards, tp = model.rz_shards, int(getattr(model, "rz_tp", 1))
         params = {}
         for n, p in model.named_parameters():
@@ -256,7 +256,7 @@ class WeightSyncExtension:
 
     def rz_stage_shards(self, directory: str) -> dict:
         """Stage this worker's parts of a resharded version (``directory/rank{rank}/part-*.safetensors``,
-        vllm_bridge.reshard.ShardedFilesystemTransport), each parameter assembled to this worker's
+        vllm_bridge.weights.reshard.ShardedFilesystemTransport), each parameter assembled to this worker's
         shard; rz_commit_weights then loads them in place. Returns what was read."""
         from pathlib import Path
 

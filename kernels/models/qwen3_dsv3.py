@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 import kernels
+from kernels.families import FAMILIES, Family, family, hf_family
 
 from .trace import tap
 
@@ -80,6 +81,9 @@ FP8_CONFIG_KEY = "rz_fp8"
 FP8_SUFFIX = "#fp8"
 
 Getter = Callable[[str], torch.Tensor]
+
+# the families whose reference numerics this module is (kernels.families: reference)
+_OWN_FAMILIES = tuple(f for f in FAMILIES if f.reference == __name__)
 
 
 @dataclass
@@ -121,17 +125,31 @@ class ArchConfig:
     fp8: str = "none"
 
     @property
+    def family(self) -> Family:
+        """The registry entry (kernels.families) of this config's architecture."""
+        return family(self.arch)
+
+    @property
+    def mla(self) -> bool:
+        return self.family.mla
+
+    @property
     def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.arch == "deepseek_v3" else self.head_dim
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
     def attn_v_dim(self) -> int:
-        return self.v_head_dim if self.arch == "deepseek_v3" else self.head_dim
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def attn_kv_heads(self) -> int:
         """KV heads of the per-head K/V cache (DeepSeek MLA: K/V are expanded per query head)."""
-        return self.num_heads if self.arch == "deepseek_v3" else self.num_kv_heads
+        return self.num_heads if self.mla else self.num_kv_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotated channels per head (MLA: the rope part only)."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
     def attn_scale(self) -> float:
@@ -177,14 +195,10 @@ def arch_config(config: Any) -> ArchConfig:
             config = json.load(f)
     model_type = config_get(config, "model_type", default="")
     archs = config_get(config, "architectures", default=[]) or []
-    if model_type == "qwen3_moe" or any("Qwen3Moe" in a for a in archs):
-        arch = "qwen3_moe"
-    elif model_type == "qwen2" or any(a in ("Qwen2ForCausalLM", "RZAlignedQwen2ForCausalLM") for a in archs):
-        arch = "qwen2"
-    elif model_type == "deepseek_v3" or any("DeepseekV3" in a for a in archs):
-        arch = "deepseek_v3"
-    else:
+    fam = hf_family(model_type, archs, _OWN_FAMILIES)
+    if fam is None:
         raise NotImplementedError(f"aligned forward: unsupported model_type {model_type!r} / {archs}")
+    arch = fam.name
     n_layers = int(config_get(config, "num_hidden_layers"))
     common = dict(
         arch=arch,
@@ -202,7 +216,7 @@ def arch_config(config: Any) -> ArchConfig:
         top_k=int(config_get(config, "num_experts_per_tok", default=0)),
         norm_topk_prob=bool(config_get(config, "norm_topk_prob", default=False)),
     )
-    if arch == "qwen3_moe":
+    if fam.gqa and fam.moe:  # Qwen3-MoE
         n_exp = int(config_get(config, "num_experts", "num_local_experts", default=0))
         mlp_only = set(config_get(config, "mlp_only_layers", default=[]) or [])
         step = int(config_get(config, "decoder_sparse_step", default=1) or 1)
@@ -215,7 +229,7 @@ def arch_config(config: Any) -> ArchConfig:
             moe_layers=moe,
             score="softmax",
         )
-    if arch == "qwen2":
+    if fam.gqa:  # dense Qwen2
         if bool(config_get(config, "use_sliding_window", default=False)):
             raise NotImplementedError("aligned Qwen2: use_sliding_window=true is not supported (full attention only)")
         return ArchConfig(
@@ -315,8 +329,7 @@ def fp8_row_segments(K: int) -> int:
 
 
 def rope_tables(c: ArchConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
-    return kernels.rope_cos_sin(positions, rot, c.rope_theta)
+    return kernels.rope_cos_sin(positions, c.rope_dim, c.rope_theta)
 
 
 def qwen3_qkv(c: ArchConfig, w: Getter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -463,13 +476,14 @@ def moe_dsv3(c: ArchConfig, w: Getter, x: torch.Tensor, ep: Optional[ExpertShard
 def mlp_forward(c: ArchConfig, w: Getter, layer: int, x: torch.Tensor, ep: Optional[ExpertShard] = None) -> torch.Tensor:
     if not c.moe_layers[layer]:
         return dense_mlp(w, x, c=c, row_parallel=True)
-    return moe_qwen3(c, w, x, ep) if c.arch == "qwen3_moe" else moe_dsv3(c, w, x, ep)
+    return moe_qwen3(c, w, x, ep) if c.family.router == "softmax" else moe_dsv3(c, w, x, ep)
 
 
 def qkv_forward(c: ArchConfig, w: Getter, x: torch.Tensor, cos, sin):
-    if c.arch == "qwen2":
+    f = c.family
+    if f.qkv_bias:
         return qwen2_qkv(c, w, x, cos, sin)
-    return qwen3_qkv(c, w, x, cos, sin) if c.arch == "qwen3_moe" else dsv3_qkv(c, w, x, cos, sin)
+    return qwen3_qkv(c, w, x, cos, sin) if f.qk_norm else dsv3_qkv(c, w, x, cos, sin)
 
 
 def layer_forward(

@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kernels.families import FAMILIES, family
 from megatron_rz.recipe import ModelConfig, Recipe, RecipeError
 
 GiB = float(1 << 30)
@@ -107,13 +108,12 @@ class ParamCounts:
 def _attention_params(m: ModelConfig, layer: int) -> int:
     h, n = m.hidden_size, m.num_attention_heads
     norms = 2 * h  # input and post-attention RMSNorm
-    if m.arch == "qwen3_moe":  # GQA with per-head q/k RMSNorm
+    f = family(m.arch)
+    if f.gqa:  # GQA; Qwen3: per-head q/k RMSNorm; Qwen2: q/k/v biases
         d = m.head_dim
-        return h * n * d + 2 * h * m.num_kv_heads * d + n * d * h + 2 * d + norms
-    if m.arch == "qwen2":  # GQA with q/k/v biases, no q/k norm
-        d = m.head_dim
-        return (h + 1) * (n + 2 * m.num_kv_heads) * d + n * d * h + norms
-    if m.arch == "deepseek_v3":  # MLA
+        qkv = (h + (1 if f.qkv_bias else 0)) * (n + 2 * m.num_kv_heads) * d
+        return qkv + n * d * h + (2 * d if f.qk_norm else 0) + norms
+    if f.mla:  # MLA
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = h * n * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * qk
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
@@ -139,7 +139,8 @@ def count_params(m: ModelConfig) -> ParamCounts:
     c.embedding = m.vocab_size * h
     c.output = 0 if m.tie_word_embeddings else m.vocab_size * h
     c.final_norm = h
-    if m.arch == "deepseek_v4":  # hyper-connection head that merges the hc_mult streams
+    f = family(m.arch)
+    if f.hyper_connections and not f.engram:  # V4's hyper-connection head that merges the hc_mult streams
         c.final_norm += m.hc_mult * m.hc_mult * h + m.hc_mult + 1
     for i in range(L):
         c.attention += _attention_params(m, i)
@@ -189,10 +190,11 @@ def _bytes(dtype: str) -> int:
 
 def _act_elements_per_token(m: ModelConfig, moe_layer: bool) -> float:
     h, n = m.hidden_size, m.num_attention_heads
-    a = 4 * h * (m.hc_mult if m.arch in ("deepseek_v4", "deepseek_v41") else 1)
-    if m.arch in ("qwen3_moe", "qwen2"):
+    f = family(m.arch)
+    a = 4 * h * (m.hc_mult if f.hyper_connections else 1)
+    if f.gqa:
         a += 2 * n * m.head_dim + 2 * m.num_kv_heads * m.head_dim
-    elif m.arch == "deepseek_v3":
+    elif f.mla:
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         a += (m.q_lora_rank or 0) + 2 * n * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * n * m.v_head_dim
     else:
@@ -209,15 +211,16 @@ def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int, aligned: bool = False)
     """Rollout KV bytes per GPU: (per token, fixed per sequence). engine_tp: the TP size the cache is
     split over (1 for a replicated aligned class); aligned: the cache as the aligned classes store it."""
     b = _bytes(m.dtype)
-    if m.arch in ("qwen3_moe", "qwen2"):
+    f = family(m.arch)
+    if f.gqa:
         heads = math.ceil(m.num_kv_heads / engine_tp)  # replicated when tp > kv heads
         return 2 * heads * m.head_dim * b * m.num_layers, 0.0
-    if m.arch == "deepseek_v3":
+    if f.mla:
         if aligned:  # expanded MLA: per local query head K and V of qk_nope + qk_rope (V zero-padded)
             heads = math.ceil(m.num_attention_heads / engine_tp)
             return 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * b * m.num_layers, 0.0
         return (m.kv_lora_rank + m.qk_rope_head_dim) * b * m.num_layers, 0.0
-    if aligned and m.arch in ("deepseek_v4", "deepseek_v41"):  # one payload row per token and layer, replicated over TP
+    if aligned and f.dsv4:  # one payload row per token and layer, replicated over TP
         return _v4_aligned_payload(m) * b * m.num_layers, 0.0
     per_tok = 0.0
     for r in m.compress_ratios:  # fp8 entries (vLLM keeps DeepSeek-V4's cache in fp8)
@@ -234,11 +237,11 @@ def _v4_aligned_payload(m: ModelConfig) -> int:
     digits) padded to two halves of whole 128-wide cache heads (RZAlignedDeepseekV4ForCausalLM)."""
     d, di = m.head_dim, m.index_head_dim
     widths = [d if r == 0 else 3 * d if r == 128 else 5 * d + 4 * di for r in m.compress_ratios[:m.num_layers]]
-    extra = 3 if m.arch == "deepseek_v41" else 0
+    extra = 3 if family(m.arch).engram else 0
     return 2 * (-(-(max(widths or [d]) + extra) // 256) * 128)
 
 
-TP_SHARDED_ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4", "deepseek_v41")
+TP_SHARDED_ARCHS = tuple(f.name for f in FAMILIES if f.aligned_tp_sharded)
 
 
 def aligned_tp_sharded(recipe: Recipe) -> bool:
@@ -246,7 +249,7 @@ def aligned_tp_sharded(recipe: Recipe) -> bool:
     FP8 included: vllm_bridge/aligned/qwen3_moe.py, deepseek_v3.py, deepseek_v4.py / deepseek_v41.py);
     False in mode=fast."""
     m = recipe.model
-    return recipe.mode == "aligned" and m.arch in TP_SHARDED_ARCHS
+    return recipe.mode == "aligned" and family(m.arch).aligned_tp_sharded
 
 
 def _fp8_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
@@ -257,7 +260,7 @@ def _fp8_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
     from kernels import ROW_PARALLEL_K_SEGMENTS as seg
 
     B = 128
-    dsv3 = m.arch == "deepseek_v3"
+    dsv3 = family(m.arch).mla
     vkey = "v_head_dim" if dsv3 else "head_dim"
     rows = {f"model.num_attention_heads * model.{vkey}": m.num_attention_heads * (m.v_head_dim if dsv3 else m.head_dim)}
     if _has_dense_layers(m):
@@ -289,11 +292,12 @@ def rollout_fp8_cache_params(m: ModelConfig, shard: int, split: int, layers: ran
         return 0.0
     h = m.hidden_size
     layers = range(m.num_layers) if layers is None else layers
-    if m.arch in ("deepseek_v4", "deepseek_v41"):
+    f = family(m.arch)
+    if f.dsv4:
         return _v4_fp8_params(m, shard, split, layers)
     moe = [i for i in layers if m.num_experts and i >= m.first_k_dense]
     rep = len(moe) * m.num_shared_experts * 3 * h * m.moe_ffn_hidden_size
-    if m.arch == "deepseek_v3":
+    if f.mla:
         lat = (h * m.q_lora_rank if m.q_lora_rank else 0) + h * (m.kv_lora_rank + m.qk_rope_head_dim)
         rep += lat * len(layers)
     tp_split = split if split else rollout_sharded_params(m)
@@ -308,11 +312,12 @@ def _v4_fp8_params(m: ModelConfig, shard: int, split: int, layers: range) -> flo
     h, n, d, ql = m.hidden_size, m.num_attention_heads, m.head_dim, m.q_lora_rank or 0
     exp = 3 * h * m.moe_ffn_hidden_size
     split_p = rep = 0
+    shared_index = family(m.arch).shared_compressors  # V4.1: one indexer per run of one ratio
     for i in layers:
         split_p += ql * n * d + n * d * m.o_lora_rank + m.o_groups * m.o_lora_rank * h + m.num_experts * exp
         rep += h * ql + h * d + m.num_shared_experts * exp
         r = m.compress_ratios[i] if i < len(m.compress_ratios) else 0
-        index = r == 4 if m.arch == "deepseek_v4" else (r != 0 and (i == 0 or m.compress_ratios[i - 1] != r))
+        index = r == 4 if not shared_index else (r != 0 and (i == 0 or m.compress_ratios[i - 1] != r))
         if index:
             rep += ql * m.index_n_heads * m.index_head_dim
     return (split_p / max(1, shard) if split else split_p) + rep
@@ -333,7 +338,8 @@ def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
     if seg % tp:
         out.append(("rollout.tensor_parallel_size", f"rollout.tensor_parallel_size={tp} does not divide the "
                     f"{seg} row-parallel K segments (kernels.ROW_PARALLEL_K_SEGMENTS)"))
-    if m.arch in ("deepseek_v4", "deepseek_v41"):  # RZAlignedDeepseekV4ForCausalLM._tp_config
+    mla = family(m.arch).mla
+    if family(m.arch).dsv4:  # RZAlignedDeepseekV4ForCausalLM._tp_config
         for key, n in {"model.num_attention_heads": m.num_attention_heads, "model.num_experts": m.num_experts}.items():
             if n % tp:
                 out.append((key, f"{key}={n} is not divisible by rollout.tensor_parallel_size={tp}"))
@@ -352,7 +358,7 @@ def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
                             f"{rows // tp} FP8 wq_b rows per rank, not a multiple of the {B}-row weight block"))
         return out
     counts = {"model.num_attention_heads": m.num_attention_heads}
-    if m.arch != "deepseek_v3":  # MLA expands K/V per query head: only the query heads are split
+    if not mla:  # MLA expands K/V per query head: only the query heads are split
         counts["model.num_kv_heads"] = m.num_kv_heads
     if m.num_experts:
         counts["model.num_experts"] = m.num_experts
@@ -361,8 +367,8 @@ def _sharded_tp_problems(m: ModelConfig, tp: int) -> list[tuple[str, str]]:
     for key, n in counts.items():
         if n % tp:
             out.append((key, f"{key}={n} is not divisible by rollout.tensor_parallel_size={tp}"))
-    vdim = m.v_head_dim if m.arch == "deepseek_v3" else m.head_dim
-    ks = {f"model.num_attention_heads * {'v_head_dim' if m.arch == 'deepseek_v3' else 'head_dim'}":
+    vdim = m.v_head_dim if mla else m.head_dim
+    ks = {f"model.num_attention_heads * {'v_head_dim' if mla else 'head_dim'}":
           m.num_attention_heads * vdim}
     if _has_dense_layers(m):
         ks["model.dense_ffn_hidden_size"] = m.dense_ffn_hidden_size
@@ -405,7 +411,7 @@ def check_rollout_tp(recipe: Recipe) -> None:
 
 # Aligned classes with pipeline stages (vllm_bridge/aligned/_model.py's layer loop; the V4 / K3
 # classes have their own and refuse pipeline_parallel_size > 1)
-PP_ALIGNED_ARCHS = ("qwen3_moe", "qwen2", "deepseek_v3")
+PP_ALIGNED_ARCHS = tuple(f.name for f in FAMILIES if f.aligned_pp)
 
 
 def pp_stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -452,9 +458,10 @@ def rollout_sharded_params(m: ModelConfig, layers: range | None = None) -> int:
     attn_sink / wo_a / wo_b; dense MLPs, routed experts. ``layers``: only those decoder layers
     (one pipeline stage's); all by default."""
     h, n = m.hidden_size, m.num_attention_heads
-    if m.arch == "qwen3_moe":
+    f = family(m.arch)
+    if f.gqa:
         attn = h * n * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim + n * m.head_dim * h
-    elif m.arch in ("deepseek_v4", "deepseek_v41"):  # wq_b, attn_sink, wo_a (by rows), wo_b (by K)
+    elif f.dsv4:  # wq_b, attn_sink, wo_a (by rows), wo_b (by K)
         attn = m.q_lora_rank * n * m.head_dim + n + n * m.head_dim * m.o_lora_rank + m.o_groups * m.o_lora_rank * h
     else:
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -516,7 +523,7 @@ def make_plan(recipe: Recipe) -> Plan:
     if epp > m.num_layers:
         errors.append(f"rollout.pipeline_parallel_size={epp} exceeds model.num_layers={m.num_layers}: every "
                       "pipeline stage needs a decoder layer; lower rollout.pipeline_parallel_size")
-    if epp > 1 and recipe.mode == "aligned" and m.arch not in PP_ALIGNED_ARCHS:
+    if epp > 1 and recipe.mode == "aligned" and not family(m.arch).aligned_pp:
         errors.append(f"rollout.pipeline_parallel_size={epp}: the aligned {m.arch} vLLM class has no pipeline "
                       f"stages (pipeline-parallel aligned classes: {', '.join(PP_ALIGNED_ARCHS)}); set "
                       "rollout.pipeline_parallel_size=1 or mode=fast")
@@ -670,7 +677,7 @@ def _rollout_fit_fix(recipe: Recipe, shard: int, sharded_aligned: bool, weights_
         more = [t for t in range(etp + 1, seg + 1) if seg % t == 0 and not _sharded_tp_problems(m, t)]
         if more:
             return f"raise rollout.tensor_parallel_size (to {'/'.join(map(str, more))}) or lower rollout.kv_cache_gb"
-        if m.arch in PP_ALIGNED_ARCHS:
+        if family(m.arch).aligned_pp:
             return (f"the aligned {m.arch} vLLM class shards over at most {etp} tensor-parallel workers here "
                     f"(tensor-parallel sizes dividing the {seg} row-parallel K segments and the model's heads / "
                     f"experts): {lower_kv}; raise rollout.pipeline_parallel_size (now "

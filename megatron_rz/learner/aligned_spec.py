@@ -61,12 +61,14 @@ reduce-scatter adds exact zeros).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 import kernels
+from kernels.families import family
 
 ROW_PARALLEL_K_SEGMENTS = kernels.ROW_PARALLEL_K_SEGMENTS
 
@@ -714,7 +716,7 @@ def aligned_layer_spec(spec, model_cfg, norm_cls, core_cls):
     spec = copy.deepcopy(spec)  # never mutate specs megatron might share between calls
     _rewrite(spec, table, norm_cls, core_cls)
     attn = spec.submodules.self_attention.submodules
-    if m.arch in ("qwen3_moe", "qwen2"):  # RoPE inside the aligned core attention (Qwen2: after the biased qkv)
+    if family(m.arch).gqa:  # RoPE inside the aligned core attention (Qwen2: after the biased qkv)
         attn.core_attention = ModuleSpec(module=AlignedCoreAttention,
                                          params={"rope_dim": m.head_dim, "rope_base": float(m.rope_theta)})
     mlp = spec.submodules.mlp
@@ -804,15 +806,9 @@ def row_parallel_ks(m) -> dict:
     that ROW_PARALLEL_K_SEGMENTS must divide): attention output, dense / shared / routed down_proj
     (DeepSeek-V4: the grouped output wo_b and the expert w2)."""
     ks = {}
-    if m.arch in ("deepseek_v4", "deepseek_v41"):
-        ks["model.o_groups * model.o_lora_rank"] = m.o_groups * m.o_lora_rank
-    elif m.arch == "deepseek_v3":
-        ks["model.num_attention_heads * model.v_head_dim"] = m.num_attention_heads * m.v_head_dim
-    elif m.arch == "kimi_k3":  # MLA o_proj and KDA o_proj (KDA heads = num_attention_heads of head_dim)
-        ks["model.num_attention_heads * model.v_head_dim"] = m.num_attention_heads * m.v_head_dim
-        ks["model.num_attention_heads * model.head_dim"] = m.num_attention_heads * m.head_dim
-    else:
-        ks["model.num_attention_heads * model.head_dim"] = m.num_attention_heads * m.head_dim
+    # the family's attention outputs (kernels.families attn_out_ks; Kimi-K3: MLA o_proj and KDA o_proj)
+    for fields in family(m.arch).attn_out_ks:
+        ks[" * ".join(f"model.{k}" for k in fields)] = math.prod(getattr(m, k) for k in fields)
     if m.num_experts:
         ks["model.moe_ffn_hidden_size"] = m.moe_ffn_hidden_size
     if not m.num_experts or m.first_k_dense:

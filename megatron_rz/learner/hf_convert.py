@@ -28,6 +28,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from kernels.families import FAMILIES, family, load
+
 from megatron_rz.recipe import ModelConfig
 
 
@@ -86,7 +88,7 @@ def _rule(name: str, m: ModelConfig, ep_rank: int, experts_per_rank: int) -> _Ru
         ),
         # MLA (DeepSeek-V3); q_layernorm is Qwen3's q_norm or MLA's q_a_layernorm
         "self_attention.q_layernorm.weight": _Rule(
-            [p + ("self_attn.q_norm.weight" if m.arch == "qwen3_moe" else "self_attn.q_a_layernorm.weight")],
+            [p + ("self_attn.q_norm.weight" if family(m.arch).qk_norm else "self_attn.q_a_layernorm.weight")],
             "replicated",
         ),
         "self_attention.k_layernorm.weight": _Rule([p + "self_attn.k_norm.weight"], "replicated"),
@@ -232,18 +234,21 @@ def _read_hf(src) -> Callable[[str], torch.Tensor]:
 # ------------------------------------------------------------------ public API
 
 
+def family_learner(model_cfg: ModelConfig):
+    """The family's own learner module (kernels.families ``learner``: build_model / load_weights /
+    export_weights, weights under the checkpoint's names), or None for Megatron's GPTModel families."""
+    name = family(model_cfg.arch).learner
+    return None if name is None else load(name)
+
+
+
 @torch.no_grad()
 def load_hf_into_megatron(model, hf_dir_or_state_dict, model_cfg: ModelConfig) -> None:
     """Copy a Hugging Face checkpoint (a directory of *.safetensors, or a state dict with HF names)
     into the Megatron model; each rank reads only the tensors of its own shard."""
-    if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):  # weights named as in the checkpoint: a direct copy
-        from megatron_rz.learner import deepseek_v4
-
-        return deepseek_v4.load_weights(model, hf_dir_or_state_dict)
-    if model_cfg.arch == "kimi_k3":  # Kimi checkpoint names: a direct copy
-        from megatron_rz.learner import kimi_k3
-
-        return kimi_k3.load_weights(model, hf_dir_or_state_dict)
+    own = family_learner(model_cfg)
+    if own is not None:  # weights named as in the checkpoint (DeepSeek-V4, Kimi): a direct copy
+        return own.load_weights(model, hf_dir_or_state_dict)
     tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()
     get = _read_hf(hf_dir_or_state_dict)
     per_rank = _experts_per_rank(model_cfg, ep)
@@ -278,15 +283,9 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
     replicated one may share storage with the parameter (clone before modifying). Model dtype; the
     DeepSeek expert bias stays float32 as Megatron keeps it.
     """
-    if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):
-        from megatron_rz.learner import deepseek_v4
-
-        yield from deepseek_v4.export_weights(model)
-        return
-    if model_cfg.arch == "kimi_k3":
-        from megatron_rz.learner import kimi_k3
-
-        yield from kimi_k3.export_weights(model)
+    own = family_learner(model_cfg)
+    if own is not None:
+        yield from own.export_weights(model)
         return
     tp, _, tp_group, etp, _, etp_group, ep, _, ep_group = _ctx()
     per_rank = _experts_per_rank(model_cfg, ep)
@@ -308,16 +307,17 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
 def local_hf_pieces(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...], tuple]]:
     """Yield (HF name, this rank's piece, full HF shape, box) for every weight this rank holds, with
     no collective and no copy of anything this rank does not hold: the box (per dimension
-    ``[start, stop)``) says where the piece sits in the full HF tensor (vllm_bridge/reshard.py).
+    ``[start, stop)``) says where the piece sits in the full HF tensor (vllm_bridge/weights/reshard.py).
 
     The same rules as export_hf_weights: a replicated parameter is the whole tensor; a TP-split one
     is the rank's block of each of its HF tensors (fused QKV: the rank's whole query groups are
     one contiguous block of q, of k and of v; gated [gate; up]: a block of each; row / col: a block
     along dim 0 / 1); a routed expert is the whole expert under its global index. Pieces are views
     of the parameters where the layout allows (QKV's split is a copy of the rank's own shard)."""
-    if model_cfg.arch in ("deepseek_v4", "deepseek_v41", "kimi_k3"):
-        raise ValueError(f"model.arch={model_cfg.arch}: the resharded weight sync supports qwen3_moe, qwen2 and "
-                         "deepseek_v3 learners (rollout.weight_sync=full for this one)")
+    if family(model_cfg.arch).learner is not None:
+        gpt = [f.name for f in FAMILIES if f.learner is None]
+        raise ValueError(f"model.arch={model_cfg.arch}: the resharded weight sync supports {', '.join(gpt[:-1])} and "
+                         f"{gpt[-1]} learners (rollout.weight_transport=auto for this one)")
     from types import SimpleNamespace
 
     tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()

@@ -83,7 +83,8 @@ class Learner:
         init_parallel(parallel, seed)
         if mode not in ("fast", "aligned"):
             raise ValueError(f"Learner: mode must be 'fast' or 'aligned', not {mode!r}")
-        if model_cfg.arch in ("deepseek_v4", "deepseek_v41", "kimi_k3"):
+        own = hf_convert.family_learner(model_cfg)  # the family's own learner module, or None: GPTModel
+        if own is not None:
             # One DeepSeek-V4 (Kimi-K3) learner implementation, the aligned one; in fast mode it faces the
             # stock vLLM model (the mismatch fast mode measures).
             mode = "aligned"
@@ -94,14 +95,8 @@ class Learner:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
 
-        if model_cfg.arch in ("deepseek_v4", "deepseek_v41"):  # V4.1: read from the checkpoint's config
-            from megatron_rz.learner import deepseek_v4
-
-            model = deepseek_v4.build_model(model_cfg, parallel, hf_dir)
-        elif model_cfg.arch == "kimi_k3":  # sizes and layer schedule from the checkpoint's config
-            from megatron_rz.learner import kimi_k3
-
-            model = kimi_k3.build_model(model_cfg, parallel, hf_dir)
+        if own is not None:  # V4.1, Kimi-K3: sizes and layer schedule read from the checkpoint's config
+            model = own.build_model(model_cfg, parallel, hf_dir)
         else:
             model = build_gpt_model(model_cfg, parallel, mode=mode)
         hf_convert.load_hf_into_megatron(model, hf_dir, model_cfg)

@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from kernels.families import family
 from megatron_rz.learner import megatron_patches
 from megatron_rz.recipe import ModelConfig, ParallelConfig
 
@@ -194,7 +195,7 @@ def transformer_config(m: ModelConfig, parallel: ParallelConfig):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=m.arch == "qwen2",  # Qwen2: q/k/v biases (linear_qkv.bias), no other bias
+        add_qkv_bias=family(m.arch).qkv_bias,  # Qwen2: q/k/v biases (linear_qkv.bias), no other bias
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -242,8 +243,9 @@ def transformer_config(m: ModelConfig, parallel: ParallelConfig):
     )
     if not m.num_experts:  # a dense model (qwen2): no MoE settings at all (Megatron refuses them)
         kw = {k: v for k, v in kw.items() if not k.startswith(("moe_", "num_moe_experts"))}
-    if m.arch in ("qwen3_moe", "qwen2"):
-        return TransformerConfig(**kw, qk_layernorm=m.arch == "qwen3_moe")
+    f = family(m.arch)
+    if f.gqa:
+        return TransformerConfig(**kw, qk_layernorm=f.qk_norm)
     return MLATransformerConfig(
         **kw,
         multi_latent_attention=True,
@@ -264,11 +266,12 @@ def _layer_spec(m: ModelConfig, moe: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
+    f = family(m.arch)
     spec = get_gpt_layer_local_spec(
         num_experts=(m.num_experts or None) if moe else None,
         moe_grouped_gemm=False,
-        qk_layernorm=m.arch == "qwen3_moe",
-        multi_latent_attention=m.arch == "deepseek_v3",
+        qk_layernorm=f.qk_norm,
+        multi_latent_attention=f.mla,
         normalization="RMSNorm",
     )
     sub = spec.submodules
@@ -276,10 +279,10 @@ def _layer_spec(m: ModelConfig, moe: bool):
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
     attn.core_attention = CoreAttention
-    if m.arch == "qwen3_moe":
+    if f.qk_norm:
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
-    elif m.arch == "deepseek_v3":
+    elif f.mla:
         from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 
         attn.kv_layernorm = RMSNorm
@@ -314,7 +317,7 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
     config = transformer_config(m, parallel)
     layer_specs = [_layer_spec(m, moe=i >= m.first_k_dense) for i in range(m.num_layers)]
     final_norm = RMSNorm
-    pos_emb = "rope" if m.arch in ("qwen3_moe", "qwen2") else "none"
+    pos_emb = "rope" if family(m.arch).gqa else "none"
     if mode == "aligned":
         from megatron_rz.learner import aligned_spec
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.families import family, load
 from megatron_rz.fingerprint import base_model_hash
 from megatron_rz.recipe import ModelConfig, Recipe, RecipeError
 from megatron_rz.rl.tasks import Task, make_task, prompt_text
@@ -44,8 +45,17 @@ def train_tokenizer(task: Task, vocab_size: int, out_dir: Path, seed: int = 0):
 
 
 def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
-    """The Hugging Face config for the recipe's architecture (a class both vLLM and the learner know)."""
-    base = dict(
+    """The Hugging Face config for the recipe's architecture (a class both vLLM and the learner know):
+    the family's ``tiny_config`` maker (kernels.families)."""
+    name = family(m.arch).tiny_config
+    if not name:
+        raise ValueError(f"model.arch={m.arch} has no transformers config class: its tiny model is made by "
+                         f"{family(m.arch).tiny_model}")
+    return load(name)(m, eos_id, pad_id)
+
+
+def _base_config(m: ModelConfig, eos_id: int, pad_id: int) -> dict:
+    return dict(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_layers,
@@ -60,20 +70,26 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
         dtype=m.dtype,
     )
-    common = dict(base, num_experts_per_tok=m.top_k, moe_intermediate_size=m.moe_ffn_hidden_size,
-                  norm_topk_prob=m.norm_topk_prob)
-    if m.arch == "deepseek_v4":
-        return _deepseek_v4_config(m, eos_id, pad_id)
-    if m.arch == "qwen2":
-        from transformers import Qwen2Config
 
-        # dense; q/k/v biases are implied by the class; head_dim = hidden / heads
-        return Qwen2Config(**base, intermediate_size=m.dense_ffn_hidden_size, use_sliding_window=False)
-    if m.arch == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
-            **common,
+def _moe_config(m: ModelConfig, eos_id: int, pad_id: int) -> dict:
+    return dict(_base_config(m, eos_id, pad_id), num_experts_per_tok=m.top_k,
+                moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=m.norm_topk_prob)
+
+
+def qwen2_config(m: ModelConfig, eos_id: int, pad_id: int):
+    from transformers import Qwen2Config
+
+    # dense; q/k/v biases are implied by the class; head_dim = hidden / heads
+    return Qwen2Config(**_base_config(m, eos_id, pad_id), intermediate_size=m.dense_ffn_hidden_size,
+                       use_sliding_window=False)
+
+
+def qwen3_moe_config(m: ModelConfig, eos_id: int, pad_id: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+            **_moe_config(m, eos_id, pad_id),
             head_dim=m.head_dim,
             num_experts=m.num_experts,
             intermediate_size=m.dense_ffn_hidden_size,
@@ -81,10 +97,13 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
             mlp_only_layers=[],
             output_router_logits=False,
         )
+
+
+def deepseek_v3_config(m: ModelConfig, eos_id: int, pad_id: int):
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
-        **common,
+        **_moe_config(m, eos_id, pad_id),
         intermediate_size=m.dense_ffn_hidden_size,
         n_routed_experts=m.num_experts,
         n_shared_experts=m.num_shared_experts,
@@ -105,7 +124,7 @@ def hf_config(m: ModelConfig, eos_id: int, pad_id: int):
     return cfg
 
 
-def _deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
+def deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
     """transformers' DeepseekV4Config, plus the original DeepSeek config names vLLM reads.
 
     transformers folds `compress_ratios`, `num_hash_layers` and `qk_rope_head_dim` into its own
@@ -159,17 +178,6 @@ def _deepseek_v4_config(m: ModelConfig, eos_id: int, pad_id: int):
     return cfg
 
 
-def _hf_model_class(arch: str):
-    from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
-
-    return {
-        "qwen3_moe": Qwen3MoeForCausalLM,
-        "qwen2": Qwen2ForCausalLM,
-        "deepseek_v3": DeepseekV3ForCausalLM,
-        "deepseek_v4": DeepseekV4ForCausalLM,
-    }[arch]
-
-
 def random_hash_table(vocab_size: int, top_k: int, num_experts: int, generator: torch.Generator) -> torch.Tensor:
     """A hash-routing table tid2eid [vocab, top_k]: each token id goes to top_k distinct experts."""
     scores = torch.rand(vocab_size, num_experts, generator=generator)
@@ -210,22 +218,27 @@ def deepseek_v4_original_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def save_hf_checkpoint(model, out_dir: Path, arch: str) -> None:
-    """Write config.json + model.safetensors for vLLM and from_pretrained (see the note above for
-    deepseek_v4's names; the other architectures use save_pretrained's names)."""
-    if arch == "deepseek_v41":
-        from safetensors.torch import save_file
+    """Write config.json + model.safetensors for vLLM and from_pretrained: the family's ``tiny_save``
+    (kernels.families; see the note above for deepseek_v4's names; the transformers families use
+    save_pretrained's names)."""
+    load(family(arch).tiny_save)(model, out_dir)
 
-        out_dir = Path(out_dir)
-        (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
-                  metadata={"format": "pt"})
-        return
-    if arch == "kimi_k3":
-        save_kimi_k3_checkpoint(model, out_dir)
-        return
-    if arch != "deepseek_v4":
-        model.save_pretrained(out_dir, safe_serialization=True)
-        return
+
+def save_pretrained(model, out_dir: Path) -> None:
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def save_config_dict_checkpoint(model, out_dir: Path) -> None:
+    """config.json from ``model.hf_config`` + model.safetensors of its state dict (DeepSeek-V4.1)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def save_deepseek_v4_checkpoint(model, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -249,20 +262,22 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
     out_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(recipe.task)
     tok = train_tokenizer(task, recipe.warm_start.tokenizer_vocab, out_dir, seed)
-    if recipe.model.arch == "deepseek_v41":
-        model = TinyDeepseekV41(deepseek_v41_config_dict(tok, **deepseek_v41_overrides(recipe.model)), tok, seed)
-        save_hf_checkpoint(model, out_dir, "deepseek_v41")
-        return model, tok
-    if recipe.model.arch == "kimi_k3":
-        model = TinyKimiK3(kimi_k3_config_dict(recipe.model, tok), seed)
-        save_hf_checkpoint(model, out_dir, "kimi_k3")
-        return model, tok
+    model = load(family(recipe.model.arch).tiny_model)(recipe, tok, seed)
+    save_hf_checkpoint(model, out_dir, recipe.model.arch)
+    return model, tok
+
+
+def random_transformers_model(recipe: Recipe, tok, seed: int = 0):
+    """The family's transformers class (kernels.families ``hf_class``) from ``hf_config``, random init."""
+    import transformers
+
+    f = family(recipe.model.arch)
     cfg = hf_config(recipe.model, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)
-    model = _hf_model_class(recipe.model.arch)(cfg).to(torch.float32)
+    model = getattr(transformers, f.hf_class)(cfg).to(torch.float32)
     # transformers initialises the noaux_tc bias to zeros (DeepSeek-V3 and V4); keep it, it is
     # learned by load balancing.
-    if recipe.model.arch == "deepseek_v4":
+    if f.hash_routing:
         # transformers initialises the hash-routing tables to zeros ("real values come from the
         # checkpoint"): every token would go to expert 0 six times. Draw a fixed random table.
         gen = torch.Generator().manual_seed(seed)
@@ -270,8 +285,15 @@ def make_random_checkpoint(recipe: Recipe, out_dir: Path, seed: int = 0):
         for name, buf in model.named_buffers():
             if name.endswith(".gate.tid2eid"):
                 buf.copy_(random_hash_table(m.vocab_size, m.top_k, m.num_experts, gen))
-    save_hf_checkpoint(model, out_dir, recipe.model.arch)
-    return model, tok
+    return model
+
+
+def random_deepseek_v41_model(recipe: Recipe, tok, seed: int = 0):
+    return TinyDeepseekV41(deepseek_v41_config_dict(tok, **deepseek_v41_overrides(recipe.model)), tok, seed)
+
+
+def random_kimi_k3_model(recipe: Recipe, tok, seed: int = 0):
+    return TinyKimiK3(kimi_k3_config_dict(recipe.model, tok), seed)
 
 
 def _sft_batch(tok, problems, answers=None, task=None):

@@ -35,6 +35,7 @@ from megatron_rz.loop.resume import step_rng
 from megatron_rz.rl import agentic
 from megatron_rz.rl.evaluation import evaluate as evaluate_task, evaluate_episodes
 from megatron_rz.rl.tasks import Problem, make_task, prompt_text, score, step_problems
+from vllm_bridge.weights import make_transport
 
 REFILL_SEED_STRIDE = 7919  # the r-th refill of a batch: seed offset r * this
 MAX_REFILLS_PER_GROUP = 8
@@ -312,9 +313,9 @@ class Producer:
 
 class InlineRollout:
     """The max_lag = 0 rollout of the training loop, in rank 0's process: the producer over a
-    BlockingGenerator, weights through the in-process transport (the job's vLLM servers,
-    rollout.where=servers: the filesystem transport on the run directory), local engine restarts
-    on death.
+    BlockingGenerator, weights through the run's transport (rollout.weight_transport: in-process
+    for a local engine by default, bucket files on the run directory for the job's vLLM servers),
+    local engine restarts on death.
 
     Interface shared with rollout_process.RolloutProcess (what train() calls):
     ``push_weights(buckets, version, verify=)``, ``batch(k) -> (samples, meta)``, ``evaluate()``
@@ -325,6 +326,9 @@ class InlineRollout:
         self.recipe, self.run_dir, self.v0, self.start_step = recipe, Path(run_dir), int(v0), int(start_step)
         self.side = RolloutSide(recipe, base, engine=engine)
         self.pad_id = self.side.tok.pad_token_id
+        r = recipe.rollout
+        self.transport = make_transport(r.weight_transport, run_dir=self.run_dir, engine=self.side.engine,
+                                        where=r.where, max_lag=0)
         self.restarts = 0
         self._new_producer()
 
@@ -361,30 +365,21 @@ class InlineRollout:
                 p.collect(fg)
 
     def push_weights(self, buckets, version: int, *, verify: bool = False) -> dict:
-        """One version into the engine: in-process (safetensors bytes over collective_rpc) for a local
-        engine; for a remote one bucket files on the run directory that its workers read (deleted
-        once applied). ``verify``: every parameter of every worker (of every server) against the
-        bytes of the learner's tensors (vllm_bridge.transport.SyncCheck), computed as they stream past."""
-        from vllm_bridge.transport import FilesystemTransport, InProcessTransport
-
+        """One version into the engine through the run's weight transport (rollout.weight_transport,
+        vllm_bridge.weights.select: in-process bytes over collective_rpc for a local engine by default,
+        bucket files on the run directory for the job's vLLM servers). ``verify``: every parameter of
+        every worker (of every server) against the bytes of the learner's tensors
+        (vllm_bridge.weights.verify.SyncCheck), computed as they stream past."""
         check = self.sync_check() if verify else None
         stream = check.stream(buckets) if check is not None else buckets
-        if self.side.restartable:  # a local engine
-            info = InProcessTransport(self.engine).push(stream, version).info
-        else:
-            fs = FilesystemTransport(self.run_dir / "rollout" / "weights")
-            update = fs.push(stream, version)
-            try:
-                info = fs.apply(update, self.engine)
-            finally:
-                fs.release(update)
+        info = self.transport.deliver(stream, version, self.engine)
         if check is not None:
             info["verify"] = check.verify(self.engine, version)
         return info
 
     def sync_check(self):
         """A fresh SyncCheck for this engine (its workers' layout asked once per engine)."""
-        from vllm_bridge.transport import SyncCheck
+        from vllm_bridge.weights.verify import SyncCheck
 
         if getattr(self, "_verify_of", None) is not self.engine:
             self._verify_layout, self._verify_of = SyncCheck.layout_of(self.engine), self.engine
@@ -398,29 +393,29 @@ class InlineRollout:
         return SyncCheck(self._verify_layout)
 
     def reshard_target(self) -> tuple:
-        """(engine layout, directory) of a resharded sync (rollout.weight_sync=reshard): the layout
-        the engine's workers report (vllm_bridge.reshard.engine_layout, asked once per engine) and
-        the run-directory folder every learner rank writes its parts to."""
-        from vllm_bridge.reshard import engine_layout
+        """(engine layout, directory) of a resharded sync (rollout.weight_transport=reshard): the
+        layout the engine's workers report (vllm_bridge.weights.reshard.engine_layout, asked once per
+        engine) and the run's weights directory every learner rank writes its parts to."""
+        from vllm_bridge.weights.reshard import engine_layout
 
         if getattr(self, "_layout_of", None) is not self.engine:
             self._layout, self._layout_of = engine_layout(self.engine), self.engine
-        return self._layout, str(self.run_dir / "rollout" / "weights-resharded")
+        return self._layout, str(self.transport.directory)
 
     def apply_resharded(self, written: dict, *, verify: bool = False) -> dict:
         """Load a committed resharded version (megatron_rz.loop.weights.write_resharded's result on rank 0) into the
         local engine; ``verify``: every parameter of every worker against the bytes the learner
-        ranks sent (vllm_bridge.reshard.check_resharded). The files are deleted afterwards."""
-        from vllm_bridge.reshard import ShardedFilesystemTransport, check_resharded, worker_checksums
+        ranks sent (vllm_bridge.weights.reshard.check_resharded). The files are deleted afterwards."""
+        from vllm_bridge.weights.reshard import check_resharded, worker_checksums
 
         update = written["update"]
         try:
-            info = ShardedFilesystemTransport.apply(update, self.engine)
+            info = self.transport.apply(update, self.engine)
             if verify:
                 info["verify"] = check_resharded(written["expected"], worker_checksums(self.engine), self._layout,
                                                  update.version)
         finally:
-            ShardedFilesystemTransport.release(update)
+            self.transport.release(update)
         return info
 
     def restart(self, error: Exception, step: int, version: int) -> bool:
@@ -444,6 +439,8 @@ class InlineRollout:
         return value
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.transport.close()
         with contextlib.suppress(Exception):
             self.side.engine.close()
         with contextlib.suppress(Exception):

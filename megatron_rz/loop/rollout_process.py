@@ -17,9 +17,9 @@ Channels (rank 0 <-> rollout process: multiprocessing queues)
     results  rollout -> learner, bounded (max_lag + 2): ("ready", info), ("eval", tag, value),
              ("batch", k, samples, meta), ("error", traceback), ("done", info).
     control  learner -> rollout: ("weights", version, bucket paths), ("stop", final_eval).
-    weights  the filesystem transport (vllm_bridge.transport.FilesystemTransport): rank 0 writes
-             every new version as a directory of safetensors bucket files under
-             ``run_dir/async_weights/`` (under a temporary name, then renamed: a reader never sees a
+    weights  the filesystem transport (what rollout.weight_transport resolves to here): rank 0
+             writes every new version as a directory of safetensors bucket files under
+             ``run_dir/rollout/weights/`` (under a temporary name, then renamed: a reader never sees a
              partial version; in a job the run directory is on the shared filesystem, where the
              servers' workers read it) and sends the paths. Between two engine steps the rollout
              applies only the newest version it has received (swap_weights: pause at a step
@@ -54,9 +54,11 @@ import traceback
 from pathlib import Path
 
 from megatron_rz.recipe import Recipe
-from vllm_bridge.transport import FilesystemTransport, SyncCheck, WeightUpdate
+from vllm_bridge.weights import make_transport
+from vllm_bridge.weights.buckets import WeightUpdate
+from vllm_bridge.weights.filesystem import FilesystemTransport
+from vllm_bridge.weights.verify import SyncCheck
 
-WEIGHTS_DIR = "async_weights"
 POLL_S = 0.5
 
 
@@ -215,7 +217,7 @@ class _ProcessLoop:
         self.p.swap_s += time.perf_counter() - t0
 
     def _verify(self, update: WeightUpdate) -> None:
-        """Every parameter of every worker against the version's files (transport.SyncCheck)."""
+        """Every parameter of every worker against the version's files (vllm_bridge.weights.verify.SyncCheck)."""
         if getattr(self, "_verify_of", None) is not self.side.engine:
             self._verify_layout, self._verify_of = SyncCheck.layout_of(self.side.engine), self.side.engine
         SyncCheck(self._verify_layout).named(update.named_tensors()).verify(self.side.engine, update.version)
@@ -372,7 +374,8 @@ class RolloutProcess(_OutOfProcess):
         )
         self.proc.start()
         self._closed = False
-        self.transport = FilesystemTransport(Path(run_dir) / WEIGHTS_DIR)
+        r = recipe.rollout
+        self.transport = make_transport(r.weight_transport, run_dir=run_dir, where=r.where, max_lag=recipe.schedule.max_lag)
 
     @property
     def pid(self) -> int | None:

@@ -6,7 +6,7 @@ the task and the logs. One update is
     batch k   <- the rollout (rank 0; broadcast to the other ranks), lag bound checked
     update    learner.train_step on batch k (weights v0 + k -> v0 + k + 1)
     weights   megatron_rz.loop.weights.hf_buckets(learner) (collective bucket stream in HF names) -> the rollout's
-              weight transport (vllm_bridge.transport), version v0 + k + 1
+              weight transport (vllm_bridge.weights), version v0 + k + 1
 
 and the rollout behind ``rollout`` depends on the schedule (``open_rollout``):
 
@@ -47,6 +47,7 @@ from megatron_rz.rl.losses import group_advantages, make_loss_fn
 from megatron_rz.loop.metrics import MetricsLogger, plot_run, run_summary
 from megatron_rz.learner.ranks import broadcast_object as broadcast, rank
 from megatron_rz.recipe import Recipe, dump_recipe
+from vllm_bridge.weights import make_transport
 from megatron_rz.loop.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
 from megatron_rz.loop import weights
 from megatron_rz.loop.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
@@ -140,14 +141,23 @@ def _on_rank0(rollout, step: int, version: int, fn, cleanup=lambda: None) -> tup
     return "ok", None
 
 
-def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str = "full") -> int:
+def collective_sync(recipe: Recipe) -> bool:
+    """Does every learner rank take part in delivering the weights (rollout.weight_transport=reshard)?"""
+    from vllm_bridge.weights import resolve
+
+    r = recipe.rollout
+    return resolve(r.weight_transport, where=r.where, max_lag=recipe.schedule.max_lag) == "reshard"
+
+
+def push_weights(learner, rollout, step: int, *, verify: bool, collective: bool = False) -> int:
     """Collective: the learner's weights (version learner.version) into the rollout, bucket by
     bucket through its weight transport. A local engine that dies meanwhile is restarted and the
     push re-run (every rank walks the stream again); any other error stops every rank. Returns the
     bytes this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0).
-    ``weight_sync="reshard"`` (rollout.weight_sync): every rank writes its slices of the engine
-    workers' shards instead (push_resharded); the bytes returned are then this rank's share."""
-    if weight_sync == "reshard":
+    ``collective`` (rollout.weight_transport=reshard, known on every rank: the rollout lives on
+    rank 0 only): every rank writes its slices of the engine workers' shards instead
+    (push_resharded); the bytes returned are then this rank's share."""
+    if collective:
         return push_resharded(learner, rollout, step, verify=verify)
     while True:
         tally = [0]
@@ -161,12 +171,12 @@ def push_weights(learner, rollout, step: int, *, verify: bool, weight_sync: str 
 
 
 def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
-    """Collective, rollout.weight_sync=reshard (docs/tp.md "Resharding learner -> engine"): rank 0
+    """Collective, rollout.weight_transport=reshard (docs/tp.md "Resharding learner -> engine"): rank 0
     asks the local engine for its layout and broadcasts it with the parts directory, every rank
     writes its parts (weights.write_resharded: no full tensor on any rank), rank 0 loads them into
     the engine (each worker reads only its own) and, with ``verify``, checks every parameter's
     bytes. A dead engine is restarted and the push re-run, as push_weights does."""
-    from vllm_bridge.reshard import ShardedFilesystemTransport
+    from vllm_bridge.weights.reshard import ShardedFilesystemTransport
 
     while True:
         target: list = []
@@ -181,7 +191,7 @@ def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
             return written["sent_bytes"]
 
 
-def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: str = "full", verify: bool = True,
+def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, collective: bool = False, verify: bool = True,
                 lag_bound: str = "token"):
     """Collective: batch k (of update ``step`` + 1) from the rollout on rank 0, broadcast, after the
     consumer-side lag-bound check. A dead local engine is restarted (the current weights re-pushed,
@@ -213,12 +223,12 @@ def fetch_batch(learner, rollout, k: int, step: int, max_lag: int, weight_sync: 
                 error = e
         if _agree(status, error, f"batch {k} (update {step + 1})") == "restart":
             if learner.version > 0:  # the new engine holds the base model's weights (version 0)
-                push_weights(learner, rollout, step, verify=verify, weight_sync=weight_sync)
+                push_weights(learner, rollout, step, verify=verify, collective=collective)
             continue
         return broadcast(payload)
 
 
-def evaluate(learner, rollout, step: int, *, final: bool = False, weight_sync: str = "full", verify: bool = True):
+def evaluate(learner, rollout, step: int, *, final: bool = False, collective: bool = False, verify: bool = True):
     """Collective: the evaluation after update ``step`` + 1 on rank 0 (``final``: rollout.finish, the
     last one, which also closes the rollout; else rollout.evaluate); its value on rank 0, None
     elsewhere. A local engine that dies meanwhile is restarted, the current weights pushed
@@ -239,7 +249,7 @@ def evaluate(learner, rollout, step: int, *, final: bool = False, weight_sync: s
                 error = e
         if _agree(status, error, f"the evaluation after update {step + 1}") == "restart":
             if learner.version > 0:
-                push_weights(learner, rollout, step, verify=verify, weight_sync=weight_sync)
+                push_weights(learner, rollout, step, verify=verify, collective=collective)
             continue
         return value
 
@@ -258,13 +268,15 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
             rollout = InlineRollout(recipe, base, run_dir, v0, start_step, engine=connect_engine(recipe, run_dir))
         if resumed:
             push_weights(learner, rollout, start_step, verify=recipe.rollout.verify_sync,
-                         weight_sync=recipe.rollout.weight_sync)
+                         collective=collective_sync(recipe))
         return rollout
     init = None
     if resumed:  # the rollout starts from the learner's weights: that version on disk first
         buckets = weights.hf_buckets(learner)
         if rank0:
-            init = rollout_process.FilesystemTransport(run_dir / rollout_process.WEIGHTS_DIR).push(buckets, v0).paths
+            r = recipe.rollout
+            init = make_transport(r.weight_transport, run_dir=run_dir, where=r.where,
+                                  max_lag=recipe.schedule.max_lag).push(buckets, v0).paths
         else:
             _drain(buckets)
     if not rank0:
@@ -369,7 +381,7 @@ def train(recipe: Recipe) -> dict:
         for step in bar:
             k = step - start_step
             t0 = time.perf_counter()
-            batch, meta = fetch_batch(learner, rollout, k, step, max_lag, recipe.rollout.weight_sync,
+            batch, meta = fetch_batch(learner, rollout, k, step, max_lag, collective_sync(recipe),
                                       recipe.rollout.verify_sync, recipe.task.lag_bound)
             t1 = time.perf_counter()
 
@@ -386,13 +398,13 @@ def train(recipe: Recipe) -> dict:
             t2 = time.perf_counter()
 
             r = recipe.rollout
-            sync_bytes = push_weights(learner, rollout, step, weight_sync=r.weight_sync,
+            sync_bytes = push_weights(learner, rollout, step, collective=collective_sync(recipe),
                                       verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
             t3 = time.perf_counter()
             # (the last step's evaluation is the final one, after the loop)
             value = None
             if recipe.schedule.eval_every and (step + 1) % recipe.schedule.eval_every == 0 and step + 1 < steps:
-                value = evaluate(learner, rollout, step, weight_sync=r.weight_sync, verify=r.verify_sync)
+                value = evaluate(learner, rollout, step, collective=collective_sync(recipe), verify=r.verify_sync)
 
             times["rollout"] += t1 - t0
             times["learner"] += t2 - t1
@@ -439,7 +451,7 @@ def train(recipe: Recipe) -> dict:
 
         learner.save_checkpoint(checkpoint_dir(run_dir, end), step=end)
         r = recipe.rollout
-        final_eval = evaluate(learner, rollout, end - 1, final=True, weight_sync=r.weight_sync, verify=r.verify_sync)
+        final_eval = evaluate(learner, rollout, end - 1, final=True, collective=collective_sync(recipe), verify=r.verify_sync)
         buckets = weights.hf_buckets(learner)  # collective: every rank walks it
         if not rank0:
             _drain(buckets)
@@ -460,7 +472,7 @@ def train(recipe: Recipe) -> dict:
             with contextlib.suppress(Exception):
                 logger.close()
         if rank0:
-            from megatron_rz.loop.rollout_process import WEIGHTS_DIR
+            from vllm_bridge.weights import WEIGHTS_DIR
 
             shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)  # versions in flight to the rollout process
 

@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rz.learner.ranks import rank as global_rank
-from vllm_bridge.transport import DEFAULT_BUCKET_BYTES, iter_buckets
+from vllm_bridge.weights.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
 
 __all__ = ["hf_buckets", "write_resharded", "DEFAULT_BUCKET_BYTES"]
 
 
 def hf_buckets(learner, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Collective generator of the learner's weights as buckets ({HF name: tensor} of about
-    ``bucket_bytes``) for a WeightTransport (vllm_bridge.transport). Every rank must walk it to the
+    ``bucket_bytes``) for a WeightTransport (vllm_bridge.weights). Every rank must walk it to the
     end in step (Learner.export_hf_weights gathers TP/EP shards inside the iteration); global rank 0
     yields the buckets, the other ranks yield nothing. No rank holds more than the bucket being
     filled plus the tensor being gathered beyond its own shards (never a whole model). Tensors are
@@ -35,7 +35,7 @@ def hf_buckets(learner, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
 
 def write_resharded(learner, layout, transport, version: int) -> dict:
     """Collective: this version of the learner's weights as each engine worker's shard, without a
-    full tensor on any rank (vllm_bridge/reshard.py; docs/tp.md "Resharding learner -> engine").
+    full tensor on any rank (vllm_bridge/weights/reshard.py; docs/tp.md "Resharding learner -> engine").
 
     ``layout``: the engine's reshard.EngineLayout (engine_layout(engine), the same on every rank);
     ``transport``: a reshard.ShardedFilesystemTransport on a directory every rank can write.
@@ -46,7 +46,7 @@ def write_resharded(learner, layout, transport, version: int) -> dict:
     {"update" (rank 0; None elsewhere), "written" {engine rank: file bytes}, "sent_bytes",
     "transfers" (this rank's), "pieces" (what it holds), "expected" (rank 0: the merged checksums
     of every engine parameter, for reshard.check_resharded)}."""
-    from vllm_bridge import reshard
+    from vllm_bridge.weights import reshard
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pieces, tensors = [], {}

@@ -1,4 +1,4 @@
-"""The NCCL weight transport (vllm_bridge.transport.NCCLTransport) against a real CUDA vLLM engine:
+"""The NCCL weight transport (vllm_bridge.weights.nccl.NCCLTransport) against a real CUDA vLLM engine:
 vLLM's weight-transfer API (init_weight_transfer_engine / start_weight_update / update_weights /
 finish_weight_update, backend "nccl") moves a bucketed stream from this process (NCCL rank 0,
 cuda:0) into the engine's worker (NCCL rank 1, on cuda:1: NCCL refuses two ranks on one GPU).
@@ -61,8 +61,10 @@ def engine(tmp_path_factory):
 def test_nccl_push_equals_in_process_push(engine):
     from safetensors.torch import load_file
 
-    from vllm_bridge.transport import (InProcessTransport, LLMWeightSyncClient, NCCLTransport, iter_buckets,
-                                       verify_weights)
+    from vllm_bridge.weights.buckets import iter_buckets
+    from vllm_bridge.weights.inprocess import InProcessTransport
+    from vllm_bridge.weights.nccl import LLMWeightSyncClient, NCCLTransport
+    from vllm_bridge.weights.verify import verify_weights
 
     eng, ckpt = engine
     base = load_file(str(ckpt / "model.safetensors"))

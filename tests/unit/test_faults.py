@@ -95,7 +95,7 @@ def test_one_flipped_byte_in_any_parameter_of_any_worker_is_caught(dtype):
     of the shard it holds): 600 random flips, each in a byte drawn uniformly from all the bytes the two
     workers hold, are all caught, each naming the worker and the parameter, nothing else."""
     from vllm_bridge.shards import narrow
-    from vllm_bridge.transport import SyncCheck
+    from vllm_bridge.weights.verify import SyncCheck
     from vllm_bridge.worker_ext import bits_entry
 
     g = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def test_one_flipped_byte_in_any_parameter_of_any_worker_is_caught(dtype):
 
 def test_every_parameter_check_names_missing_and_misshapen_tensors():
     from vllm_bridge.shards import narrow
-    from vllm_bridge.transport import SyncCheck
+    from vllm_bridge.weights.verify import SyncCheck
     from vllm_bridge.worker_ext import bits_entry
 
     reports = _tp2_reports("float32")

@@ -1,4 +1,4 @@
-"""The resharding plan (vllm_bridge/reshard.py) and the learner's local pieces
+"""The resharding plan (vllm_bridge/weights/reshard.py) and the learner's local pieces
 (megatron_rz/learner/hf_convert.local_hf_pieces), without processes: intersections of learner
 pieces with engine boxes (also across different split dimensions), the data-parallel duty split,
 coverage (every element of every engine shard sent exactly once, by a rank that holds it), the
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_bridge import reshard as R
+from vllm_bridge.weights import reshard as R
 from vllm_bridge.worker_ext import tensor_bits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_plan_covers_every_engine_element_once(etp):
     assert R.check_resharded(expected, reported, layout, 1)["checked"] == sum(len(lay) for lay in layout)
     flipped = [dict(r) for r in reported]
     flipped[-1]["norm"] = dict(flipped[-1]["norm"], bits=flipped[-1]["norm"]["bits"] + 1)
-    from vllm_bridge.transport import WeightSyncError
+    from vllm_bridge.weights.buckets import WeightSyncError
 
     with pytest.raises(WeightSyncError, match="norm"):
         R.check_resharded(expected, flipped, layout, 1)
@@ -201,18 +201,3 @@ def test_local_pieces_at_tp2_ep2_rebuild_the_checkpoint(monkeypatch):
         assert seen[k] % v.numel() == 0 and seen[k] > 0, k
     with pytest.raises(ValueError, match="model.arch=deepseek_v4"):
         next(H.local_hf_pieces(Fake([]), m.model_copy(update={"arch": "deepseek_v4"})))
-
-
-def test_recipe_weight_sync_refusals():
-    from megatron_rz.recipe import load_recipe
-
-    path = str(ROOT / "recipes" / "tiny_moe.yaml")
-    assert load_recipe(path).rollout.weight_sync == "full"  # the default
-    assert load_recipe(path, ["rollout.weight_sync=reshard"]).rollout.weight_sync == "reshard"
-    for bad, key in (("schedule.max_lag=1", "schedule.max_lag=1"), ("mode=fast", "mode=fast"),
-                     ("rollout.where=servers", "rollout.where=servers")):
-        with pytest.raises(Exception, match=f"rollout.weight_sync=reshard does not support {key}") as e:
-            load_recipe(path, ["rollout.weight_sync=reshard", bad])
-        assert len(str(e.value).strip().splitlines()) == 1
-    with pytest.raises(Exception, match="rollout.weight_sync"):
-        load_recipe(path, ["rollout.weight_sync=partial"])

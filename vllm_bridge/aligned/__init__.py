@@ -20,14 +20,10 @@ chunked prefill (eager when the caller asks ``enforce_eager=True``).
 
 from __future__ import annotations
 
-ARCHITECTURES = {
-    "RZAlignedQwen3MoeForCausalLM": "vllm_bridge.aligned.qwen3_moe:RZAlignedQwen3MoeForCausalLM",
-    "RZAlignedQwen2ForCausalLM": "vllm_bridge.aligned.qwen2:RZAlignedQwen2ForCausalLM",
-    "RZAlignedDeepseekV3ForCausalLM": "vllm_bridge.aligned.deepseek_v3:RZAlignedDeepseekV3ForCausalLM",
-    "RZAlignedDeepseekV4ForCausalLM": "vllm_bridge.aligned.deepseek_v4:RZAlignedDeepseekV4ForCausalLM",
-    "RZAlignedDeepseekV41ForCausalLM": "vllm_bridge.aligned.deepseek_v41:RZAlignedDeepseekV41ForCausalLM",
-    "RZAlignedKimiK3ForCausalLM": "vllm_bridge.aligned.kimi_k3:RZAlignedKimiK3ForCausalLM",
-}
+from kernels.families import FAMILIES
+
+# vLLM architecture name -> "module:Class", one per model family (kernels.families)
+ARCHITECTURES = {f.aligned_class: f.aligned_path for f in FAMILIES}
 
 _REGISTERED = False
 
@@ -43,9 +39,9 @@ def register_aligned() -> None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
         supported = set(ModelRegistry.get_supported_archs())
-        for arch, path in ARCHITECTURES.items():
-            if arch not in supported:
-                ModelRegistry.register_model(arch, path)
+        for name, path in ARCHITECTURES.items():
+            if name not in supported:
+                ModelRegistry.register_model(name, path)
         from vllm_bridge.vllm_compat import aligned_backend_path
 
         register_backend(AttentionBackendEnum.CUSTOM, aligned_backend_path())  # CPU or CUDA backend

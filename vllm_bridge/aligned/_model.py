@@ -43,7 +43,7 @@ intermediate counts by tp, each row-parallel K by ROW_PARALLEL_K_SEGMENTS) and r
 with a one-line ValueError naming the key.
 ``load_weights`` receives full Hugging Face tensors (start-up and the in-place reload of a weight
 sync) and narrows them to the rank's shard (``rz_shards``); other ranks' experts are skipped. A
-tensor already of the shard's shape (a resharded sync, vllm_bridge/reshard.py, which reads the
+tensor already of the shard's shape (a resharded sync, vllm_bridge/weights/reshard.py, which reads the
 layout from ``rz_shards`` through worker_ext.rz_shard_layout) is loaded as it is.
 Weight read-back for a sync's checksums (``vllm_bridge.worker_ext.rz_checksums``, rank 0) reads only
 the replicated kinds (embeddings, norms, router gate and bias), which are full tensors on every
@@ -90,6 +90,7 @@ import kernels
 from vllm_bridge.vllm_compat import aligned_attention_backend
 
 from kernels.models import qwen3_dsv3 as ref
+from kernels.families import family
 
 
 def fp8_tp_problems(c: ref.ArchConfig, tp: int) -> list[tuple[str, str]]:
@@ -102,14 +103,14 @@ def fp8_tp_problems(c: ref.ArchConfig, tp: int) -> list[tuple[str, str]]:
     from kernels.fp8 import BLOCK as B
 
     S = kernels.ROW_PARALLEL_K_SEGMENTS
-    vdim = "v_head_dim" if c.arch == "deepseek_v3" else "head_dim"
+    vdim = "v_head_dim" if c.mla else "head_dim"
     rows = {f"num_attention_heads * {vdim}": c.num_heads * c.attn_v_dim}
     dense = not all(c.moe_layers)
     if dense:
         rows["intermediate_size"] = c.intermediate_size
     out = [(k, f"= {K} (a row-parallel K) is not a multiple of {S} x {B} = {S * B}")
            for k, K in rows.items() if K % (S * B)]
-    if c.arch == "deepseek_v3":
+    if c.mla:
         cols = {"num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)": c.num_heads * c.qk_head_dim,
                 "num_attention_heads * (qk_nope_head_dim + v_head_dim)": c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)}
     else:
@@ -237,7 +238,8 @@ class LogitsScale(nn.Module):
 
 
 class RZAlignedForCausalLM(nn.Module):
-    """Base class; subclasses set ``ARCH`` and build their attention modules."""
+    """Base class; subclasses set ``ARCH`` (the family's recipe name, whose registry entry in
+    kernels.families names the subclass) and build their attention modules."""
 
     ARCH = ""
     # vLLM's SupportsPP interface (module docstring "Pipeline parallelism"): forward takes and
@@ -252,7 +254,7 @@ class RZAlignedForCausalLM(nn.Module):
         hf = vllm_config.model_config.hf_config
         self.config = hf
         self.c = c = ref.arch_config(hf)
-        if c.arch != self.ARCH:
+        if c.family is not family(self.ARCH):  # a checkpoint of another family (kernels.families)
             raise ValueError(f"{type(self).__name__} needs a {self.ARCH} config, got {c.arch}")
         self.cache_config = vllm_config.cache_config
         dtype = vllm_config.model_config.dtype
@@ -333,8 +335,7 @@ class RZAlignedForCausalLM(nn.Module):
         # layerwise reload rebuilds registered buffers), quantised once per load / in-place update.
         self.rz_fp8 = ref.FP8WeightCache() if c.fp8 == "blockwise" else None
         if self.rz_fast:
-            rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
-            self.rz_inv_freq = kernels.rope_inv_freq(rot, c.rope_theta).to(vllm_config.device_config.device)
+            self.rz_inv_freq = kernels.rope_inv_freq(c.rope_dim, c.rope_theta).to(vllm_config.device_config.device)
             from vllm_bridge import vllm_patches
 
             vllm_patches.use_kernels_log_softmax()  # this worker's sampler (vllm_compat, item 3)
@@ -352,7 +353,7 @@ class RZAlignedForCausalLM(nn.Module):
                 f"tensor_parallel_size that divides {seg}.")
         # DeepSeek-V3 MLA expands K/V per query head: only the query head count is split
         checks = {"num_attention_heads": c.num_heads, "num_experts": c.num_experts}
-        if c.arch != "deepseek_v3":
+        if not c.mla:
             checks["num_key_value_heads"] = c.num_kv_heads
         if not all(c.moe_layers):
             checks["intermediate_size"] = c.intermediate_size
@@ -362,7 +363,7 @@ class RZAlignedForCausalLM(nn.Module):
         # The row-parallel K (o_proj: heads x value head dim; dense down_proj: intermediate_size) must
         # split into ROW_PARALLEL_K_SEGMENTS equal segments, so that each rank's contiguous block
         # (its heads / its intermediate slice) is exactly seg / tp of those segments.
-        ks = {"num_attention_heads * " + ("v_head_dim" if c.arch == "deepseek_v3" else "head_dim"):
+        ks = {"num_attention_heads * " + ("v_head_dim" if c.mla else "head_dim"):
               c.num_heads * c.attn_v_dim}
         if not all(c.moe_layers):
             ks["intermediate_size"] = c.intermediate_size
@@ -375,7 +376,7 @@ class RZAlignedForCausalLM(nn.Module):
             for what, why in fp8_tp_problems(c, tp):
                 raise ValueError(f"{name}: rz_fp8=blockwise at tensor_parallel_size={tp}: {what} {why} "
                                  "(docs/tp.md \"FP8\"); run tensor_parallel_size=1 or rz_fp8=none")
-        kv = c.num_heads if c.arch == "deepseek_v3" else c.num_kv_heads  # MLA: K/V per query head
+        kv = c.attn_kv_heads  # MLA: K/V per query head
         return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv // tp)
 
     def _shard(self, name: str, dim: int, full: int) -> None:
@@ -485,12 +486,11 @@ class RZAlignedForCausalLM(nn.Module):
     # ---- GPU fast path (module docstring) ---------------------------------------------------------
     def _fast_forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.c
-        rot = c.qk_rope_head_dim if c.arch == "deepseek_v3" else c.head_dim
-        cos, sin = kernels.rope_cos_sin(positions, rot, c.rope_theta, inv_freq=self.rz_inv_freq)
+        cos, sin = kernels.rope_cos_sin(positions, c.rope_dim, c.rope_theta, inv_freq=self.rz_inv_freq)
         for i, layer in self._stage_layers():
             w = layer.get_parameter
             attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
-            qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) if c.arch == "qwen3_moe" else None
+            qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) if c.family.qk_norm else None
             h = ref.layer_forward(c, w, i, h, cos, sin, attend, mlp=lambda x, layer=layer, i=i: self._fast_mlp(layer, i, x),
                                   qkv=qkv)
         return h
@@ -519,7 +519,7 @@ class RZAlignedForCausalLM(nn.Module):
         if not c.moe_layers[i]:
             return self._fast_dense(m, x)
         st = m.rz_stacks
-        if c.arch == "qwen3_moe":
+        if c.family.router == "softmax":  # Qwen3-MoE
             logits = kernels.router_logits(x, m.gate.weight, out_dtype=x.dtype)
             ids, wts = kernels.route(logits, c.top_k, score="softmax", norm_topk_prob=c.norm_topk_prob)
             wts = wts.to(x.dtype)  # as qwen3_dsv3.moe_qwen3
@@ -580,7 +580,7 @@ class RZAlignedForCausalLM(nn.Module):
                 continue
             shard = self.rz_shards.get(name)
             if shard is not None and tuple(w.shape) == tuple(p.shape):
-                pass  # already this rank's block (a resharded sync, vllm_bridge.reshard): loaded as it is
+                pass  # already this rank's block (a resharded sync, vllm_bridge.weights.reshard): loaded as it is
             elif shard is not None:  # a full HF tensor: keep this rank's block
                 dim, start, n = shard
                 if w.shape[dim] != n * self.rz_tp:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ import torch
 from vllm_bridge.shards import (Box, EngineLayout, EngineParam, assemble, box_key, box_numel, box_shape,  # noqa: F401
                                  contains, element_size, full_box, intersect, layout_from_reports, narrow,
                                  parse_key, relative, slice_box)
+from vllm_bridge.weights.buckets import WeightSyncError, WeightTransport, WeightUpdate, version_dir
 from vllm_bridge.worker_ext import bit_patterns, bits_weights
 
 _MOD = 1 << 64
@@ -183,8 +184,7 @@ def expected_checksums(transfers: list[Transfer], tensors: list[torch.Tensor], l
 def check_resharded(expected: dict, reported: list[dict], layout: EngineLayout, version: int) -> dict:
     """Every parameter of every engine worker against the bits the learner ranks sent (``expected``:
     the merged expected_checksums of every learner rank). ``reported[e]``: worker e's rz_checksums
-    of all its parameters. Raises transport.WeightSyncError on any difference or missing entry."""
-    from vllm_bridge.transport import WeightSyncError
+    of all its parameters. Raises WeightSyncError on any difference or missing entry."""
 
     bad, checked = [], 0
     for e, lay in enumerate(layout):
@@ -205,30 +205,41 @@ def check_resharded(expected: dict, reported: list[dict], layout: EngineLayout, 
 # ------------------------------------------------------------------ transport
 
 
-@dataclass
-class ShardedUpdate:
-    """One committed resharded version: its directory (``rank{e}/part-*.safetensors`` inside)."""
+class ShardedUpdate(WeightUpdate):
+    """One committed resharded version: ``paths`` is its one version directory (``rank{e}/part-*``
+    inside; the same ``v{version}`` naming as every file-backed transport)."""
 
-    version: int
-    directory: str
-    info: dict = field(default_factory=dict)
+    def __init__(self, version: int, directory: str, info: dict | None = None):
+        super().__init__(int(version), [str(directory)], dict(info or {}))
+
+    @property
+    def directory(self) -> str:
+        return self.paths[0]
 
 
-class ShardedFilesystemTransport:
-    """Per-engine-rank part files under ``directory`` (the run directory in a job; any local
-    directory for an engine of this process). Learner side: ``prepare`` (one rank), ``write``
-    (every rank, in parallel), ``commit`` (one rank, after all wrote). Engine side: ``apply``."""
+class ShardedFilesystemTransport(WeightTransport):
+    """Per-engine-rank part files under ``directory`` (the run's weights directory in a job; any
+    local directory for an engine of this process). Learner side, collective (no bucket stream, so
+    not ``push``): ``prepare`` (one rank), ``write`` (every rank, in parallel), ``commit`` (one
+    rank, after all wrote); megatron_rz.loop.weights.write_resharded drives them. Engine side:
+    ``apply`` and ``release`` as every transport."""
 
-    name = "sharded-filesystem"
+    name = "reshard"
+    collective = True  # every learner rank writes its own parts
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
 
     def _final(self, version: int) -> Path:
-        return self.directory / f"v{int(version):06d}"
+        return version_dir(self.directory, version)
 
     def _tmp(self, version: int) -> Path:
-        return self.directory / f"v{int(version):06d}.tmp"
+        final = version_dir(self.directory, version)
+        return final.with_name(final.name + ".tmp")
+
+    def push(self, buckets, version: int):
+        raise TypeError("the resharded transport takes no bucket stream: every learner rank writes its parts "
+                        "(megatron_rz.loop.weights.write_resharded)")
 
     def prepare(self, version: int) -> None:
         tmp = self._tmp(version)
@@ -263,13 +274,11 @@ class ShardedFilesystemTransport:
         os.replace(tmp, final)
         return ShardedUpdate(int(version), str(final))
 
-    @staticmethod
-    def apply(update: ShardedUpdate, engine, *, reload: bool = True) -> dict:
+    def apply(self, update: ShardedUpdate, engine, *, reload: bool = True) -> dict:
         """The engine's one staging protocol (RolloutEngine.apply_weights) on the version directory:
         every worker stages its own ``rank{e}/`` parts, then one commit (in-place reload) and the
         version label. "workers": what each worker read."""
         return engine.apply_weights([update.directory], update.version, reload=reload, stage="rz_stage_shards")
 
-    @staticmethod
-    def release(update: ShardedUpdate) -> None:
+    def release(self, update: ShardedUpdate) -> None:
         shutil.rmtree(update.directory, ignore_errors=True)
