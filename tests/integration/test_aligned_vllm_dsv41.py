@@ -18,13 +18,13 @@ with the settings RolloutEngine gives the aligned V4 class.
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 import time
 
 import pytest
 import torch
+
+from helpers import aligned_llm
 
 vllm = pytest.importorskip("vllm")
 
@@ -39,43 +39,22 @@ BUDGET = 32
 _LENS = [3, 9, 17, 26, 33, 38, 41, 45]
 PROMPTS = [torch.randint(2, 96, (n,), generator=torch.Generator().manual_seed(200 + i)).tolist()
            for i, n in enumerate(_LENS)]
-ENV = {"VLLM_MLA_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "RZ_ALIGNED_SAMPLER": "1"}
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from vllm import LLM
-
     from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
 
     ckpt = tmp_path_factory.mktemp("dsv41_ckpt")
     make_tiny_dsv41_checkpoint(ckpt, seed=0, **COMPRESSED)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v41"), indent=2))
-    old = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
     t0 = time.perf_counter()
-    try:
-        llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-                  max_model_len=MAX_LEN, max_num_seqs=16, max_num_batched_tokens=BUDGET, enable_chunked_prefill=True,
-                  kv_cache_memory_bytes=64 << 20, seed=0,
-                  worker_extension_cls="vllm_bridge.worker_ext.WeightSyncExtension",
-                  hf_overrides={"architectures": ["RZAlignedDeepseekV41ForCausalLM"]})
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    print(f"[aligned dsv41] startup_s: {time.perf_counter() - t0:.1f}")
-    c = R.v41_config(ckpt)
-    yield {"llm": llm, "ckpt": ckpt, "sd": load_state_dict(str(ckpt)), "c": c, "tm": R.token_map_of(ckpt, c)}
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
+    with aligned_llm(ckpt, "RZAlignedDeepseekV41ForCausalLM", tensor_parallel_size=1, max_model_len=MAX_LEN,
+                     max_num_batched_tokens=BUDGET, enable_chunked_prefill=True) as llm:
+        print(f"[aligned dsv41] startup_s: {time.perf_counter() - t0:.1f}")
+        c = R.v41_config(ckpt)
+        yield {"llm": llm, "ckpt": ckpt, "sd": load_state_dict(str(ckpt)), "c": c, "tm": R.token_map_of(ckpt, c)}
 
 
 def _reference(e, seqs: list[list[int]]) -> torch.Tensor:

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import engine_run, redraw, router_bias_draw
 
 vllm = pytest.importorskip("vllm")
 
@@ -52,7 +53,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _checkpoint(out: Path) -> Path:
-    from safetensors.torch import load_file, save_file
 
     from megatron_rz.recipe import load_recipe
     from megatron_rz.learner.tiny_models import make_random_checkpoint
@@ -61,12 +61,7 @@ def _checkpoint(out: Path) -> Path:
     make_random_checkpoint(rec, out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == LAYERS and cfg["q_lora_rank"] == 64
-    (f,) = sorted(out.glob("*.safetensors"))
-    sd = load_file(str(f))
-    g = torch.Generator().manual_seed(9)
-    for n in [n for n in sd if n.endswith("e_score_correction_bias")]:
-        sd[n] = torch.randn(sd[n].shape, generator=g) * 0.5
-    save_file(sd, str(f), metadata={"format": "pt"})
+    redraw(out, 9, router_bias_draw)
     return out
 
 
@@ -85,24 +80,11 @@ def run(request, ckpt_and_weights):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("vLLM-CPU pipeline parallel needs two CPUs (one per worker)")
-    from vllm_bridge.engine import RolloutEngine, _env
-
     ckpt, old, new = ckpt_and_weights
-    t0 = time.perf_counter()
-    with _env({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp * PP))}):
-        eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.125, max_num_seqs=16, seed=0,
-                            tensor_parallel_size=tp, pipeline_parallel_size=PP, aligned=True)
-    out = {"start_s": time.perf_counter() - t0, "ckpt": ckpt, "old": old, "new": new, "tp": tp}
-    with eng:
-        out["shapes"] = eng._rpc("rz_param_shapes")
-        out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        seqs = [s.prompt_ids + s.response_ids for s in out["before"]]
-        out["score"] = eng.score(seqs, temperature=0.7)
-        out["sync"] = eng.update_weights(new.items(), version=1, verify=True)
-        out["verify"] = eng.verify_sync(new.items())
-        out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        out["rescore"] = eng.score(seqs, temperature=0.7)
-    out["total_s"] = time.perf_counter() - t0
+    out = engine_run(ckpt, prompts=PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED, new_weights=new,
+                     max_model_len=64, kv_cache_gb=0.125, max_num_seqs=16, tensor_parallel_size=tp,
+                     pipeline_parallel_size=PP, aligned=True)
+    out.update(ckpt=ckpt, old=old, new=new, tp=tp)
     print(f"\nTP={tp} x PP={PP}: start {out['start_s']:.1f} s, total {out['total_s']:.1f} s")
     return out
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import engine_run, thread_bind
 
 vllm = pytest.importorskip("vllm")
 
@@ -78,24 +79,10 @@ def _bits(values: list[float]) -> torch.Tensor:
 
 
 def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
-    from vllm_bridge.engine import RolloutEngine, _env
-
-    cpus = sorted(os.sched_getaffinity(0))[:2]  # TP=2: one CPU per worker ("0|1"); TP=4: "0|1|0|1"
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))} if tp > 1 else {}
-    t0 = time.perf_counter()
-    with _env(env):  # set while vLLM spawns its workers, then restored
-        eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.25, max_num_seqs=16, seed=0,
-                            tensor_parallel_size=tp, aligned=True)
-    out = {"start_s": time.perf_counter() - t0}
-    with eng:
-        out["shapes"] = eng._rpc("rz_param_shapes")
-        out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        # prompt logprobs (a prefill of whole sequences) at T=0.7: the logit scale RPC reaches every worker
-        out["score"] = eng.score([s.prompt_ids + s.response_ids for s in out["before"]], temperature=0.7)
-        out["sync"] = eng.update_weights(new_weights.items(), version=1, verify=True)
-        out["verify"] = eng.verify_sync(new_weights.items())
-        out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-    return out
+    # TP=2: one CPU per worker ("0|1"); TP=4: "0|1|0|1"
+    return engine_run(ckpt, prompts=PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED, new_weights=new_weights,
+                      env=thread_bind(tp, max_cpus=2), max_model_len=64, kv_cache_gb=0.25, max_num_seqs=16,
+                      tensor_parallel_size=tp, aligned=True)
 
 
 @pytest.fixture(scope="module")

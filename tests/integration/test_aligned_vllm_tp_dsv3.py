@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import engine_run, redraw, router_bias_draw
 
 import kernels
 
@@ -62,7 +63,6 @@ A = "model.layers.{}.self_attn."
 
 def _checkpoint(out: Path) -> Path:
     """tiny_dsv3 with 4 heads, q_lora_rank 64 and a random score-correction bias."""
-    from safetensors.torch import load_file, save_file
 
     from megatron_rz.recipe import load_recipe
     from megatron_rz.learner.tiny_models import make_random_checkpoint
@@ -72,36 +72,13 @@ def _checkpoint(out: Path) -> Path:
     make_random_checkpoint(rec, out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_attention_heads"] == HEADS and cfg["q_lora_rank"] == 64
-    (f,) = sorted(out.glob("*.safetensors"))
-    sd = load_file(str(f))
-    g = torch.Generator().manual_seed(7)
-    for n in [n for n in sd if n.endswith("e_score_correction_bias")]:
-        sd[n] = torch.randn(sd[n].shape, generator=g) * 0.5
-    save_file(sd, str(f), metadata={"format": "pt"})
+    redraw(out, 7, router_bias_draw)
     return out
 
 
 def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
-    from vllm_bridge.engine import RolloutEngine, _env
-
-    cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))} if tp > 1 else {}
-    t0 = time.perf_counter()
-    with _env(env):  # set while vLLM spawns its workers, then restored
-        eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.125, max_num_seqs=16, seed=0,
-                            tensor_parallel_size=tp, aligned=True)
-    out = {"start_s": time.perf_counter() - t0}
-    with eng:
-        out["shapes"] = eng._rpc("rz_param_shapes")
-        out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        seqs = [s.prompt_ids + s.response_ids for s in out["before"]]
-        out["score"] = eng.score(seqs, temperature=0.7)
-        out["sync"] = eng.update_weights(new_weights.items(), version=1, verify=True)
-        out["verify"] = eng.verify_sync(new_weights.items())
-        out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        out["rescore"] = eng.score(seqs, temperature=0.7)  # the same sequences, new weights
-    out["total_s"] = time.perf_counter() - t0
-    return out
+    return engine_run(ckpt, prompts=PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED, new_weights=new_weights,
+                      max_model_len=64, kv_cache_gb=0.125, max_num_seqs=16, tensor_parallel_size=tp, aligned=True)
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import aligned_llm, assert_generate_and_prompt_logprobs, engine_run, redraw, thread_bind, v4_draw
 
 import kernels
 
@@ -61,43 +62,19 @@ DIM = {"wq_b.weight": 0, "attn_sink": 0, "wo_a.weight": 0, "wo_b.weight": 1}
 
 
 def _checkpoint(out: Path) -> Path:
-    from safetensors.torch import load_file, save_file
 
     from megatron_rz.learner.tiny_models import make_random_checkpoint
     from megatron_rz.recipe import load_recipe
 
     make_random_checkpoint(load_recipe(str(ROOT / "recipes" / "tiny_dsv4.yaml"), SMALL), out, seed=0)
-    (f,) = sorted(out.glob("*.safetensors"))
-    sd = load_file(str(f))
-    g = torch.Generator().manual_seed(5)
-    for n, v in sd.items():
-        if v.is_floating_point():
-            sd[n] = (torch.randn(v.shape, generator=g) * (0.3 if v.dim() < 2 else 0.15)).to(v.dtype)
-    save_file(sd, str(f), metadata={"format": "pt"})
+    redraw(out, 5, v4_draw)
     return out
 
 
 def _run(ckpt: Path, tp: int, new_weights: dict) -> dict:
-    from vllm_bridge.engine import RolloutEngine, _env
-
-    cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))}
-    t0 = time.perf_counter()
-    with _env(env):  # set while vLLM spawns its workers, then restored
-        eng = RolloutEngine(str(ckpt), max_model_len=64, kv_cache_gb=0.0625, max_num_seqs=16, seed=0,
-                            tensor_parallel_size=tp, aligned=True, dtype="float32")
-    out = {"start_s": time.perf_counter() - t0}
-    with eng:
-        out["shapes"] = eng._rpc("rz_param_shapes")
-        out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        seqs = [s.prompt_ids + s.response_ids for s in out["before"]]
-        out["score"] = eng.score(seqs, temperature=0.7)
-        out["sync"] = eng.update_weights(new_weights.items(), version=1, verify=True)
-        out["verify"] = eng.verify_sync(new_weights.items())
-        out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        out["rescore"] = eng.score(seqs, temperature=0.7)  # the same sequences, new weights
-    out["total_s"] = time.perf_counter() - t0
-    return out
+    return engine_run(ckpt, prompts=PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED, new_weights=new_weights,
+                      env=thread_bind(tp, single=True), max_model_len=64, kv_cache_gb=0.0625, max_num_seqs=16,
+                      tensor_parallel_size=tp, aligned=True, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -233,51 +210,18 @@ def test_dsv41_tp2_equals_reference_bitwise(tmp_path):
     """DeepSeek-V4.1 inherits the sharding (RZAlignedDeepseekV41ForCausalLM): the tiny V4.1 of
     test_aligned_vllm_dsv41.py (engram layers, sliding window) at TP=2 == the reference, generated and
     prompt logprobs (started with vllm.LLM as that test does: engine.py has no V4.1 entry)."""
-    import gc
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     from kernels.models import dsv41
     from kernels.models.qwen3_dsv3 import load_state_dict
     from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
-    from vllm_bridge.engine import _env
 
     make_tiny_dsv41_checkpoint(tmp_path, seed=0)
     c = dsv41.v41_config(tmp_path)
     sd, tm = load_state_dict(str(tmp_path)), dsv41.token_map_of(tmp_path, c)
-    cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_MLA_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "RZ_ALIGNED_SAMPLER": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1 % len(cpus)]}"}
-    with _env(env):
-        llm = LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-                  max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=64 << 20, seed=0, tensor_parallel_size=2,
-                  worker_extension_cls="vllm_bridge.worker_ext.WeightSyncExtension",
-                  hf_overrides={"architectures": ["RZAlignedDeepseekV41ForCausalLM"]})
-    try:
+    with aligned_llm(tmp_path, "RZAlignedDeepseekV41ForCausalLM") as llm:
         shapes = llm.collective_rpc("rz_param_shapes")
         assert shapes[0]["layers.0.attn.wq_b.weight"][0] * 2 == c.num_heads * c.head_dim
         assert not any(".ffn.experts.4." in n for n in shapes[0]) and any(".ffn.experts.4." in n for n in shapes[1])
-        sp = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, n=N_SAMPLES, logprobs=0, ignore_eos=True, seed=SEED)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
-        n_gen = n_pl = 0
-        for p, o in zip(PROMPTS, outs):
-            for s in o.outputs:
-                ids = list(s.token_ids)
-                seq = p + ids
-                want = dsv41.reference_logprobs(sd, c, torch.tensor([seq]), 1.0, token_map=tm)[0]
-                got = torch.tensor([lp[t].logprob for lp, t in zip(s.logprobs, ids)])
-                assert torch.equal(got, want[len(p):]), p
-                pl = llm.generate([TokensPrompt(prompt_token_ids=seq)],
-                                  SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0),
-                                  use_tqdm=False)[0].prompt_logprobs
-                assert torch.equal(torch.tensor([pl[j][seq[j]].logprob for j in range(1, len(seq))]), want[1:])
-                n_gen, n_pl = n_gen + len(ids), n_pl + len(seq) - 1
-        print(f"\nV4.1 TP=2: {n_gen}/{n_gen} generated and {n_pl}/{n_pl} prompt logprobs bitwise the reference")
-    finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        del llm
-        gc.collect()
+        n_gen, n_pl = assert_generate_and_prompt_logprobs(
+            llm, PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED,
+            reference=lambda seq: dsv41.reference_logprobs(sd, c, seq, 1.0, token_map=tm)[0])
+    print(f"\nV4.1 TP=2: {n_gen}/{n_gen} generated and {n_pl}/{n_pl} prompt logprobs bitwise the reference")

@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import engine_run, environ, thread_bind
+
 vllm = pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,21 +81,10 @@ def _bits(values) -> torch.Tensor:
 
 
 def _run(ckpt: Path, tp: int) -> dict:
-    from vllm_bridge.engine import RolloutEngine, _env
-
-    cpus = sorted(os.sched_getaffinity(0))[:2]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))} if tp > 1 else {}
-    t0 = time.perf_counter()
-    with _env(env):
-        eng = RolloutEngine(str(ckpt), max_model_len=48, kv_cache_gb=0.125, max_num_seqs=8, seed=0,
-                            tensor_parallel_size=tp, aligned=True, fp8="blockwise", dtype="float32")
-    out = {"start_s": round(time.perf_counter() - t0, 1)}
-    with eng:
-        out["shapes"] = eng._rpc("rz_param_shapes")
-        out["gen"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        out["score"] = eng.score([s.prompt_ids + s.response_ids for s in out["gen"]], temperature=0.7)
-    out["total_s"] = round(time.perf_counter() - t0, 1)
-    return out
+    out = engine_run(ckpt, prompts=PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED,
+                     env=thread_bind(tp, max_cpus=2), max_model_len=48, kv_cache_gb=0.125, max_num_seqs=8,
+                     tensor_parallel_size=tp, aligned=True, fp8="blockwise", dtype="float32")
+    return dict(out, gen=out["before"], start_s=round(out["start_s"], 1), total_s=round(out["total_s"], 1))
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +217,7 @@ def test_fp8_deepseek_v3_engine_tp2_equals_tp1_and_reference(tmp_path):
     from kernels.models.qwen3_dsv3 import reference_logprobs
     from megatron_rz.learner.tiny_models import make_random_checkpoint
     from megatron_rz.recipe import load_recipe
-    from vllm_bridge.engine import RolloutEngine, _env
+    from vllm_bridge.engine import RolloutEngine
 
     d = tmp_path / "dsv3"
     d.mkdir()
@@ -237,7 +228,7 @@ def test_fp8_deepseek_v3_engine_tp2_equals_tp1_and_reference(tmp_path):
     res = {}
     for tp in (1, 2):
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}"} if tp > 1 else {}
-        with _env(env):
+        with environ(env):
             eng = RolloutEngine(str(d), max_model_len=48, kv_cache_gb=0.125, max_num_seqs=8, seed=0,
                                 tensor_parallel_size=tp, aligned=True, fp8="blockwise", dtype="float32")
         with eng:

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import aligned_llm, assert_generate_and_prompt_logprobs, engine_run, redraw, thread_bind, v4_draw
 
 import kernels
 
@@ -73,19 +74,12 @@ def _recipe(*extra: str):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    from safetensors.torch import load_file, save_file
 
     from megatron_rz.learner.tiny_models import make_random_checkpoint
 
     out = tmp_path_factory.mktemp("dsv4_fp8_ckpt")
     make_random_checkpoint(_recipe("model.fp8=none"), out, seed=0)
-    (f,) = sorted(out.glob("*.safetensors"))
-    sd = load_file(str(f))
-    g = torch.Generator().manual_seed(5)
-    for n, v in sd.items():
-        if v.is_floating_point():
-            sd[n] = (torch.randn(v.shape, generator=g) * (0.3 if v.dim() < 2 else 0.15)).to(v.dtype)
-    save_file(sd, str(f), metadata={"format": "pt"})
+    redraw(out, 5, v4_draw)
     assert json.loads((out / "config.json").read_text()).get("rz_fp8") in (None, "none")
     return out
 
@@ -265,26 +259,9 @@ def test_learner_ep2_equals_fp8_reference(ckpt, tmp_path):
 
 
 def _run(d: Path, tp: int, new_weights: dict) -> dict:
-    from vllm_bridge.engine import RolloutEngine, _env
-
-    cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))}
-    t0 = time.perf_counter()
-    with _env(env):  # set while vLLM spawns its workers, then restored
-        eng = RolloutEngine(str(d), max_model_len=64, kv_cache_gb=0.0625, max_num_seqs=16, seed=0,
-                            tensor_parallel_size=tp, aligned=True, dtype="float32", fp8="blockwise")
-    out = {"start_s": time.perf_counter() - t0}
-    with eng:
-        out["shapes"] = eng._rpc("rz_param_shapes")
-        out["before"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        seqs = [s.prompt_ids + s.response_ids for s in out["before"]]
-        out["score"] = eng.score(seqs, temperature=0.7)
-        out["sync"] = eng.update_weights(new_weights.items(), version=1, verify=True)
-        out["verify"] = eng.verify_sync(new_weights.items())
-        out["after"] = eng.generate(PROMPTS, N_SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW, seed=SEED)
-        out["rescore"] = eng.score(seqs, temperature=0.7)
-    out["total_s"] = time.perf_counter() - t0
-    return out
+    return engine_run(d, prompts=PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED, new_weights=new_weights,
+                      env=thread_bind(tp, single=True), max_model_len=64, kv_cache_gb=0.0625, max_num_seqs=16,
+                      tensor_parallel_size=tp, aligned=True, dtype="float32", fp8="blockwise")
 
 
 @pytest.fixture(scope="module")
@@ -384,46 +361,13 @@ def test_dsv41_learner_equals_fp8_reference(v41):
 def test_dsv41_fp8_engine_tp2_equals_reference(v41):
     """RZAlignedDeepseekV41ForCausalLM in FP8 at TP=2 (started with vllm.LLM as test_aligned_vllm_dsv41
     does): generated and prompt logprobs == the V4.1 FP8 reference."""
-    import gc
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     from kernels.models import dsv41
-    from vllm_bridge.engine import _env
 
-    cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_MLA_DISABLE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "RZ_ALIGNED_SAMPLER": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1 % len(cpus)]}"}
-    with _env(env):
-        llm = LLM(model=str(v41["dir"]), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-                  max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=64 << 20, seed=0, tensor_parallel_size=2,
-                  worker_extension_cls="vllm_bridge.worker_ext.WeightSyncExtension",
-                  hf_overrides={"architectures": ["RZAlignedDeepseekV41ForCausalLM"], "rz_fp8": "blockwise"})
-    try:
-        sp = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, n=N_SAMPLES, logprobs=0, ignore_eos=True, seed=SEED)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
-        n_gen = n_pl = 0
-        for p, o in zip(PROMPTS, outs):
-            for smp in o.outputs:
-                ids = list(smp.token_ids)
-                seq = p + ids
-                want = dsv41.reference_logprobs(v41["sd"], v41["c8"], torch.tensor([seq]), 1.0, token_map=v41["tm"])[0]
-                got = torch.tensor([lp[t].logprob for lp, t in zip(smp.logprobs, ids)])
-                assert torch.equal(got, want[len(p):]), p
-                pl = llm.generate([TokensPrompt(prompt_token_ids=seq)],
-                                  SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0),
-                                  use_tqdm=False)[0].prompt_logprobs
-                assert torch.equal(torch.tensor([pl[j][seq[j]].logprob for j in range(1, len(seq))]), want[1:])
-                n_gen, n_pl = n_gen + len(ids), n_pl + len(seq) - 1
-        REPORT["V4.1 engine TP=2 == fp8 reference"] = f"{n_gen}/{n_gen} generated, {n_pl}/{n_pl} prompt logprobs"
-    finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        del llm
-        gc.collect()
+    with aligned_llm(v41["dir"], "RZAlignedDeepseekV41ForCausalLM", hf_overrides={"rz_fp8": "blockwise"}) as llm:
+        n_gen, n_pl = assert_generate_and_prompt_logprobs(
+            llm, PROMPTS, n_samples=N_SAMPLES, max_new=MAX_NEW, seed=SEED,
+            reference=lambda seq: dsv41.reference_logprobs(v41["sd"], v41["c8"], seq, 1.0, token_map=v41["tm"])[0])
+    REPORT["V4.1 engine TP=2 == fp8 reference"] = f"{n_gen}/{n_gen} generated, {n_pl}/{n_pl} prompt logprobs"
 
 
 # ------------------------------------------------------------------ refusals
