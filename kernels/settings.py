@@ -8,7 +8,9 @@ choose between launch plans of the same numbers (speed only, never a bit): bench
 to time the plain plans beside the fast ones. ``RZ_BATCHED_DRAW`` (``1`` | ``0``) picks the aligned
 CUDA sampler's random draw: one keyed Gumbel race for the batch (``kernels.triton.draw``) or vLLM's
 per-request exponential noise; it changes which token a seed gives (both exact samples), never a
-reported log-probability.
+reported log-probability. ``RZ_FUSED_SAMPLER`` (``1`` | ``0``) is a launch-plan switch of that
+sampler (speed only, never a bit): fused (``log_softmax`` in two launches, the draw kernel writing
+the sampled token's logprob and the finiteness flag) or the unfused plans.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _small_tiles = os.environ.get("RZ_GEMM_SMALL_TILES", "1") != "0"
 _decode_split = os.environ.get("RZ_DECODE_SPLIT", "1") != "0"
 _fused_work_list = os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0"
 _batched_draw = os.environ.get("RZ_BATCHED_DRAW", "1") != "0"
+_fused_sampler = os.environ.get("RZ_FUSED_SAMPLER", "1") != "0"
 
 
 def set_backend(name: str) -> None:
@@ -80,3 +83,16 @@ def set_batched_draw(on: bool) -> None:
 
 def batched_draw() -> bool:
     return _batched_draw
+
+
+def set_fused_sampler(on: bool) -> None:
+    """Aligned CUDA sampler, untruncated rows: ``log_softmax`` in two launches (each output program
+    merges its row's piece stats) and the keyed draw writing the sampled token's logprob and the
+    finiteness flag (``kernels.triton.draw.gumbel_draw_with_logprob``), or the unfused plans (three
+    ``log_softmax`` launches; torch gather / isfinite / all). Same bits either way."""
+    global _fused_sampler
+    _fused_sampler = bool(on)
+
+
+def fused_sampler() -> bool:
+    return _fused_sampler

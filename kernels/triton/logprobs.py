@@ -6,10 +6,19 @@
 Fixed order, independent of the number of rows: the vocabulary is cut into pieces of ``PIECE``
 columns (a constant, so the cut depends on V only). Program (row, piece) computes the piece's exact
 max ``m_p`` and ``s_p = sum(exp(z - m_p))`` (a BLOCK-wide fp32 vector accumulated chunk by chunk
-in ascending column order, then one tree reduction); a second kernel merges the pieces of a row in
-piece order: ``M = max_p m_p``, ``S = ((0 + s_0 e^{m_0-M}) + s_1 e^{m_1-M}) + ...``. exp/log are
+in ascending column order, then one tree reduction); then the pieces of a row are merged in piece
+order, ``M = max_p m_p``, ``S = ((0 + s_0 e^{m_0-M}) + s_1 e^{m_1-M}) + ...``, by one helper
+(``_row_max_sum``) wherever a value is written, and the value is ``(z - M) - log S``. exp/log are
 libdevice's (accurate, deterministic). Not bitwise equal to torch's log_softmax (different order);
 agreement with it is ~1e-6 relative.
+
+Launches: :func:`logprobs_from_logits` 2 (piece stats; merge + the target's value);
+:func:`log_softmax` 2 (piece stats; every (row, column block) program merges its row's piece stats
+itself and writes its columns). Its element ``[r, t]`` is bitwise ``logprobs_from_logits`` of
+target t: the same piece stats, the same merge, the same final expression. With
+``kernels.settings.fused_sampler()`` off, :func:`log_softmax` runs the three-launch plan of the
+same numbers (a kernel writes each row's ``(M, log S)``, the output kernel reads it): kept so
+benchmarks and the GPU tests can set the two plans side by side.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import triton
 import triton.language as tl
 
 import os
+
+from .. import settings
 
 _USE_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # the CPU interpreter has no libdevice
 if _USE_LIBDEVICE:
@@ -173,7 +184,7 @@ def _piece_stats(logits: torch.Tensor, temperature: Temperature):
 
 @triton.jit
 def _row_lse_kernel(stats_ptr, lse_ptr, n_pieces, NP_BLOCK: tl.constexpr):
-    """(M, log S) of a row from its piece stats (the same _row_max_sum as _merge_kernel)."""
+    """(M, log S) of a row from its piece stats (the three-launch plan of :func:`log_softmax`)."""
     row = tl.program_id(0).to(tl.int64)
     M, S = _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK)
     tl.store(lse_ptr + row * 2, M)
@@ -181,33 +192,65 @@ def _row_lse_kernel(stats_ptr, lse_ptr, n_pieces, NP_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rows_out_kernel(logits_ptr, lse_ptr, out_ptr, V, stride_row, stride_out, temperature, temp_ptr,
-                     BLOCK: tl.constexpr, ROW_T: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _write_columns(logits_ptr, out_ptr, M, logS, V, stride_row, stride_out, temperature, temp_ptr, row,
+                   BLOCK: tl.constexpr, ROW_T: tl.constexpr):
+    """Columns ``[c*BLOCK, (c+1)*BLOCK)`` (c = program_id(1)) of row ``row``: ``(z - M) - log S``."""
     temperature = _row_temperature(temperature, temp_ptr, row, ROW_T)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     msk = cols < V
-    M = tl.load(lse_ptr + row * 2)
-    logS = tl.load(lse_ptr + row * 2 + 1)
     z = tl.load(logits_ptr + row * stride_row + cols, mask=msk, other=0.0).to(tl.float32)
     z = tl.math.div_rn(z, temperature)
     tl.store(out_ptr + row * stride_out + cols, (z - M) - logS, mask=msk)
 
 
-def log_softmax(logits: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
+@triton.jit
+def _rows_out_kernel(logits_ptr, stats_ptr, out_ptr, V, stride_row, stride_out, n_pieces, temperature, temp_ptr,
+                     BLOCK: tl.constexpr, NP_BLOCK: tl.constexpr, ROW_T: tl.constexpr):
+    """The two-launch plan's second kernel: each (row, column block) program merges its row's piece
+    stats itself (the same ``_row_max_sum`` and ``_log`` as _merge_kernel and _row_lse_kernel, so
+    the same M and log S) and writes its columns."""
+    row = tl.program_id(0).to(tl.int64)
+    M, S = _row_max_sum(stats_ptr, row, n_pieces, NP_BLOCK)
+    _write_columns(logits_ptr, out_ptr, M, _log(S), V, stride_row, stride_out, temperature, temp_ptr, row,
+                   BLOCK, ROW_T)
+
+
+@triton.jit
+def _rows_out_lse_kernel(logits_ptr, lse_ptr, out_ptr, V, stride_row, stride_out, temperature, temp_ptr,
+                         BLOCK: tl.constexpr, ROW_T: tl.constexpr):
+    """The three-launch plan's last kernel: M and log S read from ``lse`` (_row_lse_kernel's)."""
+    row = tl.program_id(0).to(tl.int64)
+    M = tl.load(lse_ptr + row * 2)
+    logS = tl.load(lse_ptr + row * 2 + 1)
+    _write_columns(logits_ptr, out_ptr, M, logS, V, stride_row, stride_out, temperature, temp_ptr, row,
+                   BLOCK, ROW_T)
+
+
+def log_softmax(logits: torch.Tensor, temperature: Temperature = 1.0, *, fold: Optional[bool] = None) -> torch.Tensor:
     """fp32 ``log_softmax(logits.float() / temperature)`` of every column, ``[..., V]``: element
     ``[r, t]`` is bitwise :func:`logprobs_from_logits` of target t in row r (same piece stats, same
-    merge, same final ``(z - M) - log S``). What the aligned engine's sampler reports on the GPU."""
+    merge, same final ``(z - M) - log S``). What the aligned engine's sampler reports on the GPU.
+
+    ``fold``: two launches (True) or the three-launch plan (False) of the same bits; None follows
+    ``kernels.settings.fused_sampler()``."""
     l2, stats, (temp, temp_rows, row_t) = _piece_stats(logits, temperature)
     R, V = l2.shape
     out = torch.empty(R, V, device=logits.device, dtype=torch.float32)
     if stats is None:
         return out.reshape(logits.shape)
     n_pieces = stats.shape[1]
-    lse = torch.empty(R, 2, device=logits.device, dtype=torch.float32)
-    _row_lse_kernel[(R,)](stats, lse, n_pieces, NP_BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
-    _rows_out_kernel[(R, triton.cdiv(V, BLOCK))](l2, lse, out, V, l2.stride(0), out.stride(0), temp, temp_rows,
-                                                  BLOCK=BLOCK, ROW_T=row_t, num_warps=4)
+    np_block = max(16, triton.next_power_of_2(n_pieces))
+    if fold is None:
+        fold = settings.fused_sampler()
+    grid = (R, triton.cdiv(V, BLOCK))
+    if fold:
+        _rows_out_kernel[grid](l2, stats, out, V, l2.stride(0), out.stride(0), n_pieces, temp, temp_rows,
+                               BLOCK=BLOCK, NP_BLOCK=np_block, ROW_T=row_t, num_warps=4)
+    else:
+        lse = torch.empty(R, 2, device=logits.device, dtype=torch.float32)
+        _row_lse_kernel[(R,)](stats, lse, n_pieces, NP_BLOCK=np_block, num_warps=1)
+        _rows_out_lse_kernel[grid](l2, lse, out, V, l2.stride(0), out.stride(0), temp, temp_rows,
+                                   BLOCK=BLOCK, ROW_T=row_t, num_warps=4)
     return out.reshape(logits.shape)
 
 
