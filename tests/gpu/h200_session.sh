@@ -6,7 +6,10 @@
 #   bash tests/gpu/h200_session.sh STAGE [STAGE ...]     results under $OUT/<stage>/
 #
 # Stages:
-#   ckpt   random bf16 checkpoints for the engine benchmarks (/root/ckpt/{moe1b,dsv3_4l})
+#   ckpt   random bf16 checkpoints for the engine benchmarks (/root/ckpt/<config>, CKPT_CONFIGS: default
+#          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
+#   sampler  the sampler's host / GPU cost per call, stock vs aligned, fused epilogue on and off
+#          (benchmarks/sampler_host.py)
 #   tests  tests/gpu/test_aligned_cuda_engine.py (aligned CUDA engine: batch invariance, decode ==
 #          prefill, == learner kernels, in-place reload), stock vLLM's in-place reload of the routed
 #          experts, and the Triton kernel tests (GPU_TESTS=... picks files)
@@ -44,7 +47,7 @@ run_stage() {
   local t0=$SECONDS
   case "$st" in
     ckpt)
-      for c in moe1b dsv3_4l; do
+      for c in ${CKPT_CONFIGS:-moe1b dsv3_4l}; do
         [ -f "/root/ckpt/$c/config.json" ] || "$PY" benchmarks/rollout_gpu.py ckpt --config "$c" --out "/root/ckpt/$c"
       done ;;
     tests)
@@ -166,6 +169,10 @@ PYEOF
         ${BENCH_CELLS:+--cells $BENCH_CELLS} > "$d/bench_rl.log" 2>&1
       echo "rc=$? bench_rl" >> "$d/summary.txt"
       grep -E "^\{|summary|engine up|failed|Traceback|Error" "$d/bench_rl.log" | tail -60 | tee -a "$d/summary.txt" ;;
+    sampler)
+      "$PY" benchmarks/sampler_host.py --out "$d/sampler_host.json" > "$d/sampler_host.log" 2>&1
+      echo "rc=$? sampler" >> "$d/summary.txt"
+      tail -40 "$d/sampler_host.log" | tee -a "$d/summary.txt" ;;
     *) echo "unknown stage $st"; return 2 ;;
   esac
   log "stage $st done in $((SECONDS - t0)) s"
