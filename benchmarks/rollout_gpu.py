@@ -230,8 +230,9 @@ ENGINE_KINDS = {
     "aligned_base": (True, {"RZ_DECODE_SPLIT": "0", "RZ_FUSED_WORK_LIST": "0", "RZ_BATCHED_DRAW": "0"}),
     # the aligned class with vLLM's per-request noise draw instead of the batched one
     "aligned_vdraw": (True, {"RZ_BATCHED_DRAW": "0"}),
-    # the aligned class with the sampler's separate log-prob, gather and finiteness launches (the
-    # draw kernel's fused epilogue off; same bits)
+    # the aligned class with the sampler's fused plans (two-launch log-probs, the draw kernel writing
+    # the token's logprob and finiteness flag; same bits), and explicitly without them (the default)
+    "aligned_fused": (True, {"RZ_FUSED_SAMPLER": "1"}),
     "aligned_unfused": (True, {"RZ_FUSED_SAMPLER": "0"}),
 }
 

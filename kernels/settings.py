@@ -8,7 +8,7 @@ choose between launch plans of the same numbers (speed only, never a bit): bench
 to time the plain plans beside the fast ones. ``RZ_BATCHED_DRAW`` (``1`` | ``0``) picks the aligned
 CUDA sampler's random draw: one keyed Gumbel race for the batch (``kernels.triton.draw``) or vLLM's
 per-request exponential noise; it changes which token a seed gives (both exact samples), never a
-reported log-probability. ``RZ_FUSED_SAMPLER`` (``1`` | ``0``) is a launch-plan switch of that
+reported log-probability. ``RZ_FUSED_SAMPLER`` (``0`` | ``1``, default 0) is a launch-plan switch of that
 sampler (speed only, never a bit): fused (``log_softmax`` in two launches, the draw kernel writing
 the sampled token's logprob and the finiteness flag) or the unfused plans.
 """
@@ -24,7 +24,7 @@ _small_tiles = os.environ.get("RZ_GEMM_SMALL_TILES", "1") != "0"
 _decode_split = os.environ.get("RZ_DECODE_SPLIT", "1") != "0"
 _fused_work_list = os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0"
 _batched_draw = os.environ.get("RZ_BATCHED_DRAW", "1") != "0"
-_fused_sampler = os.environ.get("RZ_FUSED_SAMPLER", "1") != "0"
+_fused_sampler = os.environ.get("RZ_FUSED_SAMPLER", "0") == "1"  # opt-in: see set_fused_sampler
 
 
 def set_backend(name: str) -> None:
@@ -89,7 +89,11 @@ def set_fused_sampler(on: bool) -> None:
     """Aligned CUDA sampler, untruncated rows: ``log_softmax`` in two launches (each output program
     merges its row's piece stats) and the keyed draw writing the sampled token's logprob and the
     finiteness flag (``kernels.triton.draw.gumbel_draw_with_logprob``), or the unfused plans (three
-    ``log_softmax`` launches; torch gather / isfinite / all). Same bits either way."""
+    ``log_softmax`` launches; torch gather / isfinite / all). Same bits either way. Off by default:
+    on the H200 (moe1b, each engine in its own process, 3 rounds, two leases) the fused plan cut the
+    sampler's own host time per call (289 -> 174 us at 32 rows) but whole rollouts of 32 x 64 x 128
+    were slower with it (0.60 / 0.58 s vs 0.41 / 0.39 s seeded / unseeded), so it is not the default
+    until it wins end to end (benchmarks/results/rollout_gpu/fused_sampler_2026-12-03/)."""
     global _fused_sampler
     _fused_sampler = bool(on)
 
