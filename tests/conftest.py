@@ -1,12 +1,37 @@
-"""Shared test policy: GPU tests skip without CUDA; `slow` tests are opt-in (RZ_SLOW=1)."""
+"""Shared test policy: GPU tests skip without CUDA; `slow` tests are opt-in (RZ_SLOW=1); the files
+that take minutes run first."""
 
 import os
 
 import pytest
 
 
+# Test files that take minutes (make test's --durations on the 2-core CI box), longest first. They
+# are collected first, so pytest-xdist's loadfile scheduler hands them out before the short files
+# (longest-processing-time-first): no long file starts last and runs alone at the end.
+LONG_FIRST = (
+    "integration/test_check.py", "integration/test_train_e2e.py", "integration/test_resume.py",
+    "integration/test_remote_rollout.py", "integration/test_dsv4_aligned.py", "integration/test_async.py",
+    "integration/test_verify_sync.py", "slurm/test_slurm_jobs.py", "integration/test_fp8_models.py",
+    "integration/test_reshard.py", "integration/test_aligned_vllm_pp.py", "integration/test_rollout.py",
+    "integration/test_kimi_k3_learner.py", "integration/test_pretrained.py", "integration/test_learner.py",
+    "integration/test_aligned_learner.py", "integration/test_ckpt_layout.py", "integration/test_dsv4_fast.py",
+    "integration/test_aligned_vllm.py", "integration/test_agentic_e2e.py",
+)
+
+
+def _long_first_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0].replace("\\", "/")
+    for i, name in enumerate(LONG_FIRST):
+        if path.endswith(name):
+            return i
+    return len(LONG_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    items.sort(key=_long_first_rank)  # stable: each file's tests stay together and in order
 
     no_cuda = pytest.mark.skip(reason="needs CUDA (run on the GPU machine; results in benchmarks/)")
     not_slow = pytest.mark.skip(reason="opt-in long test: set RZ_SLOW=1")
