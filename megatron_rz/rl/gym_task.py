@@ -114,3 +114,33 @@ class GymTask(rewards.GuardedReward):
 
     def corpus(self, rng: random.Random, n: int) -> list[str]:
         return corpus_text(self.sample(rng, n), self.template)
+
+    def distractor(self, problem: Problem) -> str | None:
+        """A common mistake's answer for the warm start's ``warm_start.distractor_rate`` share, where
+        the dataset has one (``DISTRACTORS``); None where it has none or it equals the right answer."""
+        fn = DISTRACTORS.get(self.name)
+        wrong = fn(problem.row["entry"]) if fn else None
+        return None if wrong is None or wrong == problem.answer else wrong
+
+
+def _columns(a: int, b: int, op) -> int:
+    w = max(len(str(a)), len(str(b)))
+    return int("".join(str(op(int(x), int(y))) for x, y in zip(str(a).zfill(w), str(b).zfill(w))))
+
+
+def chain_sum_distractor(entry: dict) -> str | None:
+    """Two-term chain_sum done column by column with neither carry nor borrow: 47 + 38 -> 75 (each
+    column's sum mod 10), 52 - 17 -> 45 (each column's smaller digit from its larger), 17 - 52 ->
+    -45. None for other expressions (more terms)."""
+    parts = entry.get("metadata", {}).get("expression", "").split()
+    if len(parts) != 3 or parts[1] not in "+-" or not (parts[0].isdigit() and parts[2].isdigit()):
+        return None
+    a, op, b = int(parts[0]), parts[1], int(parts[2])
+    if op == "+":
+        return str(_columns(a, b, lambda x, y: (x + y) % 10))
+    big, small = max(a, b), min(a, b)
+    wrong = _columns(big, small, lambda x, y: abs(x - y))
+    return str(wrong if a >= b else -wrong)
+
+
+DISTRACTORS = {"chain_sum": chain_sum_distractor}
