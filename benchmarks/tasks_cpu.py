@@ -186,10 +186,20 @@ def fmt(r: dict) -> str:
     return "; ".join(out) + f" after {r['updates']} updates"
 
 
+def report_owner(out: Path) -> str | None:
+    """The --root whose runs the report in ``out`` describes (None: no report there)."""
+    f = out / "report.json"
+    if not f.exists():
+        return None
+    d = json.loads(f.read_text())
+    runs = d.get("runs") or [{}]
+    return d.get("root") or str(Path(runs[0].get("run_dir", "?")).parent)
+
+
 def report(root: Path, out: Path, extra: dict) -> None:
     results = [result(root / n) for n in EXPERIMENTS if (root / n / "tasks_cpu_run.json").exists()]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({**extra, "runs": results}, indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps({**extra, "root": str(root), "runs": results}, indent=2) + "\n")
     lines = ["# Real tasks on the CPU (benchmarks/tasks_cpu.py)", "",
              "Held-out figures at the first and the last evaluation of each run (eval/<set>/<metric> in "
              "metrics.jsonl). One CPU core (taskset -c 1), OMP_NUM_THREADS=1, make demo's ISA pinning.", ""]
@@ -222,6 +232,10 @@ def main(argv=None) -> None:
     ap.add_argument("--report-only", action="store_true", help="no runs: the report of the runs under --root")
     a = ap.parse_args(argv)
     a.root = a.root.resolve()
+    owner = report_owner(a.out)
+    if owner is not None and owner != str(a.root):
+        raise SystemExit(f"--out {a.out} holds the report of the runs under {owner}: give a new --out "
+                         "(another experiment's report is never overwritten)")
     a.root.mkdir(parents=True, exist_ok=True)
     data = a.root / "data"
     md = math_data(data)
