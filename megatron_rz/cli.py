@@ -134,7 +134,7 @@ def _load(args):
 
         r = recipe.rollout
         why = refusal(r.weight_transport, where=r.where, max_lag=recipe.schedule.max_lag, mode=recipe.mode,
-                      reshard_ok=False, cuda=torch.cuda.is_available())
+                      arch=recipe.model.arch, cuda=torch.cuda.is_available())
         if why:
             raise RecipeError(why)
     return recipe

@@ -601,7 +601,7 @@ class Recipe(_Strict):
             )
         r = self.rollout
         why = weight_transport_refusal(r.weight_transport, where=r.where, max_lag=self.schedule.max_lag, mode=self.mode,
-                                       reshard_ok=family(m.arch).reshard_pieces, arch=m.arch)
+                                       arch=m.arch)
         if why:
             raise ValueError(why)
         if m.pretrained and "task" not in self.model_fields_set:

@@ -52,11 +52,10 @@ def resolve(kind: str, *, where: str = "local", max_lag: int = 0) -> str:
     return "inprocess" if placement(where, max_lag) == "inline" else "filesystem"
 
 
-def refusal(kind: str, *, where: str, max_lag: int, mode: str, reshard_ok: bool, arch: str = "",
-            cuda: bool | None = None) -> str | None:
+def refusal(kind: str, *, where: str, max_lag: int, mode: str, arch: str, cuda: bool | None = None) -> str | None:
     """One line naming ``rollout.weight_transport`` and the fix when the pair is not supported, else
-    None. ``reshard_ok``: the model family lists its HF pieces per rank (RESHARD_ARCHS; ``arch``
-    names it in the message); ``cuda``: whether this machine has CUDA (None: not checked, e.g. a
+    None. ``arch``: the recipe's model family (reshard needs one whose learner lists its HF pieces
+    per rank, RESHARD_ARCHS); ``cuda``: whether this machine has CUDA (None: not checked, e.g. a
     recipe validated on a login node for a job elsewhere)."""
     if kind not in TRANSPORTS:
         return f"rollout.weight_transport={kind!r}: expected one of {', '.join(TRANSPORTS)}"
@@ -65,7 +64,7 @@ def refusal(kind: str, *, where: str, max_lag: int, mode: str, reshard_ok: bool,
     if why is None and kind == "reshard":
         if mode != "aligned":
             why = f"mode={mode}: the stock vLLM classes report no shard layout (needs mode=aligned)"
-        elif not reshard_ok:
+        elif arch not in RESHARD_ARCHS:
             why = f"model.arch={arch}: its learner lists no per-rank HF pieces (needs {', '.join(RESHARD_ARCHS)})"
     if why is None and kind == "nccl" and cuda is False:
         why = "this machine has no CUDA device (vLLM's NCCL weight transfer is GPU only)"
