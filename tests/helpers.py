@@ -26,17 +26,14 @@ def thread_bind(workers: int, *, max_cpus: int | None = None, single: bool = Fal
 
 @contextlib.contextmanager
 def environ(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` in os.environ inside the block (while vLLM spawns its workers), then restored."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    """``env`` in os.environ inside the block (while vLLM spawns its workers), then restored
+    (pytest's MonkeyPatch)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def engine_run(ckpt: str | Path, *, prompts, n_samples: int, max_new: int, seed: int, new_weights: dict | None = None,
