@@ -25,12 +25,25 @@ the updates, the running D3 peak / median, D3 (= KL k3) and KL k1 medians over t
 last 10% of updates (and the first / last 1,000 when there are 2,000 or more), the largest gradient
 norm before clipping and IS weight, reward and held-out evaluation first vs last; per lag the fast /
 aligned ratios of those figures.
+
+    python benchmarks/stability.py sweep --root DIR --out benchmarks/results/stability_lr_sweep_cpu
+        [--lrs 5e-5,1e-4,2e-4,4e-4,8e-4] [--lag 8] [--steps 200] [--budget-s 3600] [recipe overrides ...]
+
+``sweep`` chooses the step size for the long runs: aligned at lag ``--lag`` from the same base model
+(``DIR/base_model``, made as ``run`` makes it, so a sweep may share ``run``'s root), one run per lr
+(``DIR/sweep_aligned_lag<L>_lr<LR>``), one after another, ``--steps`` updates each, resumable like
+``run``; then ``report.json`` / ``report.md``, the lrs' metrics (gzipped) and overlay plots into
+``--out``. An lr is stable when its run did every update (none skipped, every loss and gradient norm
+finite), the KL k1 median of the last 10% of updates is at most 2x that of the first 10%, the mean train
+reward of the last 10% is at least that of the first 10% - 0.05, and the final held-out reward at least
+the one before training - 0.05 (``sweep_verdict``); the report's chosen lr is the largest stable one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -78,6 +91,19 @@ def _rz(args: list[str], log: Path) -> int:
                               stderr=subprocess.STDOUT, cwd=ROOT).returncode
 
 
+def _base_model(root: Path, recipe: str, ov: list[str], log: Path) -> bool:
+    """``root/base_model``: the warm start of the recipe with the overrides, made once per root."""
+    base = root / "base_model"
+    if not (base / "config.json").is_file():
+        if base.exists():
+            shutil.rmtree(base)  # an interrupted warm start of this experiment (no config.json yet)
+        print(f"stability: warm start -> {base}", flush=True)
+        if _rz(["make-model", recipe, *ov, "--out", str(base)], log) != 0:
+            print(f"stability: warm start failed, see {log}", flush=True)
+            return False
+    return True
+
+
 def run(root: Path, recipe: str, legs: list[tuple[str, int]], steps: int, slice_s: float, budget_s: float,
         overrides: list[str], bf16: str = "rollout") -> int:
     root.mkdir(parents=True, exist_ok=True)
@@ -95,13 +121,8 @@ def run(root: Path, recipe: str, legs: list[tuple[str, int]], steps: int, slice_
     mf.write_text(json.dumps(meta, indent=1))
     base = root / "base_model"
     log = root / "stability.log"
-    if not (base / "config.json").is_file():
-        if base.exists():
-            shutil.rmtree(base)  # an interrupted warm start of this experiment (no config.json yet)
-        print(f"stability: warm start -> {base}", flush=True)
-        if _rz(["make-model", recipe, *ov, "--out", str(base)], log) != 0:
-            print(f"stability: warm start failed, see {log}", flush=True)
-            return 1
+    if not _base_model(root, recipe, ov, log):
+        return 1
     t0 = time.time()
     while time.time() - t0 < budget_s:
         todo = [(m, lag) for m, lag in legs if _updates(root / f"{m}_lag{lag}") < steps]
@@ -230,6 +251,195 @@ def report(root: Path, out: Path) -> dict:
     return res
 
 
+# ------------------------------------------------------------------ the lr sweep (issue 35)
+# aligned at lag 8 from the run's base model, one run per lr; the long runs then use the largest stable one
+SWEEP_LRS = "5e-5,1e-4,2e-4,4e-4,8e-4"
+SWEEP_KEYS = ("recipe", "overrides", "bf16", "mode", "lag", "steps")  # what makes two sweeps the same sweep
+# an lr is stable when its run did every update and all of these hold (sweep_verdict)
+KL_GROWTH_MAX = 2.0  # KL k1 median, last 10% of updates / first 10%
+REWARD_DROP_MAX = 0.05  # train reward and held-out reward may fall by at most this much
+
+
+def _lrs(spec: str) -> list[float]:
+    try:
+        lrs = sorted({float(x) for x in spec.split(",")})
+    except ValueError:
+        raise SystemExit(f"stability: --lrs {spec!r}: expected numbers separated by commas, e.g. {SWEEP_LRS}") from None
+    if not lrs or lrs[0] <= 0:
+        raise SystemExit(f"stability: --lrs {spec!r}: every lr must be > 0")
+    return lrs
+
+
+def _lr_dir(root: Path, meta: dict, lr: float) -> Path:
+    # not <mode>_lag<L>: a sweep may share its --root (and base model) with `run`'s legs
+    return root / f"sweep_{meta['mode']}_lag{meta['lag']}_lr{lr:g}"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sweep_verdict(run_dir: Path, steps: int) -> dict:
+    """One lr's figures over its first ``steps`` updates and whether it stayed stable: every update done
+    (none skipped, no non-finite loss or gradient norm), KL k1 median last 10% / first 10% <=
+    KL_GROWTH_MAX, train reward (mean over the last 10% of updates) >= that of the first 10% - REWARD_DROP_MAX,
+    final held-out reward >= the one before training - REWARD_DROP_MAX."""
+    from megatron_rz.loop.metrics import read_metrics
+
+    f = run_dir / "metrics.jsonl"
+    tr = [r for r in read_metrics(f) if "max_abs_dlogp" in r][:steps] if f.is_file() else []
+    out = leg_figures(run_dir, steps) if tr else {"updates": 0}
+    ex = run_dir / "sweep_exit.json"
+    out["exit"] = json.loads(ex.read_text()) if ex.is_file() else None
+    out["nonfinite_updates"] = sum(1 for r in tr if not (_finite(r.get("loss")) and _finite(r.get("grad_norm")))
+                                   or r.get("update_skipped") or r.get("update_successful") is False)
+    k1a, k1b = out.get("kl_k1_median_first_10pct"), out.get("kl_k1_median_last_10pct")
+    out["kl_k1_growth"] = k1b / k1a if _finite(k1a) and k1a > 0 and _finite(k1b) else None
+    if not tr:
+        checks = {"finished": False}
+    else:
+        checks = {
+            "finished": len(tr) >= steps,
+            "finite": out["nonfinite_updates"] == 0,
+            "kl_k1_growth": out["kl_k1_growth"] is not None and out["kl_k1_growth"] <= KL_GROWTH_MAX,
+            "reward": out["reward_last_10pct"] >= out["reward_first_10pct"] - REWARD_DROP_MAX,
+            "held_out": _finite(out["eval_first"]) and _finite(out["eval_last"])
+            and out["eval_last"] >= out["eval_first"] - REWARD_DROP_MAX,
+        }
+    out["checks"] = checks
+    out["stable"] = all(checks.values())
+    if out["stable"]:
+        out["status"] = "stable"
+    elif not checks["finished"] and out["exit"] is None:
+        out["status"] = "incomplete"  # not run to the end yet: continue the sweep
+    else:
+        out["status"] = "unstable: " + ", ".join(k for k, ok in checks.items() if not ok)
+    return out
+
+
+def sweep_report(root: Path, out: Path, plots: bool = True) -> dict:
+    """The sweep's report.json / report.md, the lrs' metrics (gzipped) and overlay plots into ``out``."""
+    import gzip
+
+    from megatron_rz.loop.metrics import plot_compare
+
+    meta = json.loads((root / "sweep.json").read_text())
+    _check_sweep_out(out, root, meta)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = meta["steps"]
+    runs = {lr: sweep_verdict(_lr_dir(root, meta, lr), steps) for lr in meta["lrs"]}
+    stable = [lr for lr, r in runs.items() if r["stable"]]
+    chosen = max(stable) if stable else None
+    pending = [lr for lr, r in runs.items() if r["status"] == "incomplete" and (chosen is None or lr > chosen)]
+    res = {"sweep": meta, "root": str(root),
+           "criterion": {"kl_k1_growth_max": KL_GROWTH_MAX, "reward_drop_max": REWARD_DROP_MAX, "updates": steps},
+           "lrs": {f"{lr:g}": r for lr, r in runs.items()},
+           "chosen_lr": chosen, "provisional": bool(pending),
+           # a smaller lr that was not stable below the chosen one: the sweep is not monotone
+           "unstable_below_chosen": [lr for lr in runs if chosen is not None and lr < chosen and not runs[lr]["stable"]]}
+
+    def f(x, p=3):
+        return "-" if x is None else (f"{x:.{p}g}" if isinstance(x, float) else str(x))
+
+    lines = ["# Learning-rate sweep: aligned, lag " + str(meta["lag"]), "",
+             f"recipe `{meta.get('recipe')}`, overrides `{' '.join(meta.get('overrides', []))}`, then `algo.lr=LR`; "
+             f"{steps} updates per lr, mode {meta['mode']}, schedule.max_lag={meta['lag']}, from one base model.", "",
+             f"Stable = all {steps} updates done with none skipped and every loss and gradient norm finite, KL k1 "
+             f"median over the last 10% of updates <= {KL_GROWTH_MAX:g} x that of the first 10%, mean train reward "
+             f"over the last 10% >= that of the first 10% - {REWARD_DROP_MAX:g}, and the final held-out greedy reward "
+             f">= the one before training - {REWARD_DROP_MAX:g}.", "",
+             "| lr | updates | verdict | KL k1 median first -> last 10% (ratio) | D3 peak / median | max grad norm | "
+             "max IS weight | reward first -> last 10% | held-out first -> last |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for lr, r in runs.items():
+        lines.append(f"| {lr:g} | {r['updates']} | {r['status']} | {f(r.get('kl_k1_median_first_10pct'))} -> "
+                     f"{f(r.get('kl_k1_median_last_10pct'))} ({f(r['kl_k1_growth'])}) | {f(r.get('d3_peak_over_median'))} | "
+                     f"{f(r.get('grad_norm_max'))} | {f(r.get('is_weight_max'))} | {f(r.get('reward_first_10pct'))} -> "
+                     f"{f(r.get('reward_last_10pct'))} | {f(r.get('eval_first'))} -> {f(r.get('eval_last'))} |")
+    lines += ["", f"**Chosen lr: {f(chosen)}** (the largest stable one"
+              + ("; provisional: larger lrs still incomplete " + ", ".join(f"{x:g}" for x in pending) if pending else "")
+              + ("; not monotone: unstable below it " + ", ".join(f"{x:g}" for x in res["unstable_below_chosen"])
+                 if res["unstable_below_chosen"] else "") + ").", "",
+              "Overlay plots (reward, KL k1, D3, D3 peak / median per lr): `plots/`; metrics: `lr<LR>.metrics.jsonl.gz`.", ""]
+    dirs = [_lr_dir(root, meta, lr) for lr in runs if runs[lr]["updates"]]
+    for d, lr in zip(dirs, [lr for lr in runs if runs[lr]["updates"]]):
+        with open(d / "metrics.jsonl", "rb") as src, gzip.GzipFile(out / f"lr{lr:g}.metrics.jsonl.gz", "wb", mtime=0) as dst:
+            shutil.copyfileobj(src, dst)
+    if dirs and plots:
+        plot_compare(dirs, out / "plots", labels=[f"lr {lr:g}" for lr in runs if runs[lr]["updates"]])
+    (out / "report.json").write_text(json.dumps(res, indent=1))
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return res
+
+
+def _check_sweep_out(out: Path, root: Path, meta: dict) -> None:
+    """Refuse an ``--out`` that holds other files or another sweep's (or experiment's) report."""
+    if out.exists() and any(out.iterdir()):
+        rep = out / "report.json"
+        old = json.loads(rep.read_text()) if rep.is_file() else {}
+        if old.get("root") != str(root) or {k: old.get("sweep", {}).get(k) for k in SWEEP_KEYS} != {
+                k: meta.get(k) for k in SWEEP_KEYS}:
+            raise SystemExit(f"stability: --out {out} holds other files or another experiment's report; give a new "
+                             "directory")
+
+
+def sweep(root: Path, out: Path, recipe: str, lrs: list[float], steps: int, lag: int, budget_s: float,
+          overrides: list[str], bf16: str = "rollout") -> int:
+    """Aligned lag-``lag`` runs from ``root/base_model``, one per lr, ``steps`` updates each, one at a time;
+    then the report into ``out``. Run it again to continue (or to add lrs): finished runs are kept."""
+    root.mkdir(parents=True, exist_ok=True)
+    common, _ = BF16[bf16]
+    ov = DEFAULTS + common + list(overrides)
+    meta = {"recipe": recipe, "overrides": ov, "bf16": bf16, "mode": "aligned", "lag": lag, "steps": steps}
+    mf = root / "sweep.json"
+    if mf.is_file():  # a continued sweep must be the same sweep
+        old = json.loads(mf.read_text())
+        if {k: old.get(k) for k in SWEEP_KEYS} != meta:
+            raise SystemExit(f"stability: {root} holds a sweep with {({k: old.get(k) for k in SWEEP_KEYS})}; continue "
+                             "it with the same recipe/overrides/--steps/--lag or give another --root")
+        lrs = sorted(set(old["lrs"]) | set(lrs))
+    ef = root / "experiment.json"  # `run`'s legs in the same root: the base model must be theirs
+    if ef.is_file():
+        old = json.loads(ef.read_text())
+        if (old.get("recipe"), old.get("overrides")) != (recipe, ov):
+            raise SystemExit(f"stability: {root}/base_model belongs to an experiment with recipe/overrides "
+                             f"{old.get('recipe')} {old.get('overrides')}; use the same ones or another --root")
+    meta["lrs"] = lrs
+    _check_sweep_out(out, root, meta)  # before any run starts
+    mf.write_text(json.dumps(meta, indent=1))
+    log = root / "stability.log"
+    if not _base_model(root, recipe, ov, log):
+        return 1
+    t0 = time.time()
+    for lr in lrs:
+        rd = _lr_dir(root, meta, lr)
+        if _updates(rd) >= steps:
+            continue
+        if (rd / "sweep_exit.json").is_file():
+            print(f"stability: lr {lr:g} stopped earlier ({(rd / 'sweep_exit.json').read_text().strip()}); delete "
+                  f"{rd / 'sweep_exit.json'} to try it again", flush=True)
+            continue
+        left = budget_s - (time.time() - t0)
+        if left < 60:
+            print("stability: --budget-s spent; continue with the same command", flush=True)
+            break
+        if not (rd / "base_model").exists():
+            rd.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(root / "base_model", rd / "base_model")
+        before, t = _updates(rd), time.time()
+        rc = _rz(["train", recipe, "mode=aligned", f"schedule.max_lag={lag}", f"schedule.steps={steps}",
+                  f"schedule.time_limit_s={left - 30:.0f}", "checkpoint.load=latest", f"logging.run_dir={rd}", *ov,
+                  f"algo.lr={lr:g}"], log)
+        print(f"stability: sweep lr {lr:g}: updates {before} -> {_updates(rd)} in {time.time() - t:.0f} s (exit {rc})",
+              flush=True)
+        if rc != 0:  # e.g. stopped after algo.max_bad_updates non-finite updates: this lr is not stable
+            (rd / "sweep_exit.json").write_text(json.dumps({"rc": rc, "updates": _updates(rd)}) + "\n")
+            print(f"stability: sweep lr {lr:g} failed; see {log}", flush=True)
+    sweep_report(root, out)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -245,7 +455,19 @@ def main(argv=None) -> int:
     p = sub.add_parser("report")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    w = sub.add_parser("sweep")
+    w.add_argument("--root", required=True)
+    w.add_argument("--out", required=True)
+    w.add_argument("--recipe", default="recipes/tiny_moe.yaml")
+    w.add_argument("--lrs", default=SWEEP_LRS)
+    w.add_argument("--lag", type=int, default=8)
+    w.add_argument("--bf16", choices=sorted(BF16), default="rollout")
+    w.add_argument("--steps", type=int, default=200)
+    w.add_argument("--budget-s", type=float, default=3600)
+    w.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
+    if a.cmd == "sweep":
+        return sweep(Path(a.root), Path(a.out), a.recipe, _lrs(a.lrs), a.steps, a.lag, a.budget_s, a.overrides, a.bf16)
     if a.cmd == "run":
         return run(Path(a.root), a.recipe, _legs(a.legs), a.steps, a.slice_s, a.budget_s, a.overrides, a.bf16)
     report(Path(a.root), Path(a.out))
