@@ -31,6 +31,7 @@ _EXPORTS = {
     "expert_mlp_merged": "dispatch",
     "moe_combine": "dispatch",
     "moe_experts": "dispatch",
+    "moe_expert_rows": "dispatch",
     "lm_head_logits": "dispatch",
     "logprobs_from_logits": "dispatch",
     "log_softmax": "dispatch",

@@ -43,7 +43,8 @@ __all__ = [
     "set_backend", "backend", "use_triton",
     "linear", "linear_partial", "row_partials", "rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
-    "moe_combine", "moe_experts", "lm_head_logits", "logprobs_from_logits", "log_softmax", "token_logprobs",
+    "moe_combine", "moe_experts", "moe_expert_rows", "lm_head_logits", "logprobs_from_logits", "log_softmax",
+    "token_logprobs",
     "quantize_act_groupwise", "fp8_gemm", "fp8_gemm_partial", "fp8_row_partials", "fp8_linear",
     "fake_quant_linear",
 ]
@@ -119,8 +120,17 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
         return _norm.rms_norm(x, weight, eps)
     from .triton.rmsnorm import rms_norm as trms
 
-    return with_reference_grad(lambda x_, w_: trms(x_, w_, eps), lambda x_, w_: _norm.rms_norm(x_, w_, eps),
+    return with_reference_grad(lambda x_, w_: trms(x_, w_, eps), lambda x_, w_: _rms_norm_grad_ref(x_, w_, eps),
                                x, weight)
+
+
+def _rms_norm_grad_ref(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """The function whose autograd is rms_norm's backward on the GPU: the reference's formula with
+    torch's own mean (one reduction kernel) instead of the reference's fixed pairwise tree (one launch
+    per tree level, forward and backward). The values the loss sees are the Triton kernel's."""
+    x32 = x.to(torch.float32)
+    y = (x32 * torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else (y.to(torch.float32) * weight.to(torch.float32)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------- RoPE
@@ -169,17 +179,45 @@ def _causal_ref(q, k, v, scale, odt):
 
 
 def _causal_grad_ref(q, k, v, scale, odt):
-    """The function whose autograd gives causal_attention's backward on the GPU: the same
-    attention through torch's fused SDPA in fp32 (its memory-efficient kernel: O(S) memory instead
-    of the S x S probabilities _causal_ref keeps for backward, which at 16k tokens would be 1 GiB per
-    head and sequence). Gradients are correct to fp32 rounding, as before; the forward values the
-    loss sees still come from the invariant Triton kernel."""
+    """The function whose autograd gives causal_attention's backward on the GPU: the same attention
+    through torch's fused SDPA in the inputs' dtype (bf16: FlashAttention's forward and backward,
+    what a stock trainer runs; fp32: the memory-efficient kernel). O(S) memory instead of the S x S
+    probabilities _causal_ref keeps. The forward values the loss sees come from the invariant Triton
+    kernel; this recompute only feeds the gradient (run under torch's deterministic mode, so the
+    gradient is the same bits run to run: _CausalAttention.backward)."""
     G = q.shape[2] // k.shape[2]
-    qf = q.float().transpose(1, 2)
-    kf = k.float().repeat_interleave(G, dim=2).transpose(1, 2)
-    vf = v.float().repeat_interleave(G, dim=2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+    qt = q.transpose(1, 2)
+    kt = (k.repeat_interleave(G, dim=2) if G > 1 else k).transpose(1, 2)
+    vt = (v.repeat_interleave(G, dim=2) if G > 1 else v).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     return out.transpose(1, 2).to(odt)
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Forward: the invariant Triton attention. Backward: autograd of :func:`_causal_grad_ref`
+    under ``torch.use_deterministic_algorithms(True)`` (FlashAttention's deterministic backward:
+    no atomics across key blocks), the global setting restored afterwards."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fwd, scale, odt):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        ctx.scale, ctx.odt = scale, odt
+        return fwd(q, k, v)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            with torch.enable_grad():
+                ins = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+                out = _causal_grad_ref(*ins, ctx.scale, ctx.odt)
+                wrt = [t for t in ins if t.requires_grad]
+                grads = iter(torch.autograd.grad(out, wrt, g) if wrt else ())
+        finally:
+            torch.use_deterministic_algorithms(det, warn_only=warn)
+        return (*[next(grads) if t.requires_grad else None for t in ins], None, None, None)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
@@ -201,7 +239,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         o = attention_batched(qq, c(k_), c(v_), cu, pos, scale, max_q_len=S, out_dtype=odt)
         return o.reshape(B, S, Hq, v.shape[-1])
 
-    return with_reference_grad(fwd, lambda q_, k_, v_: _causal_grad_ref(q_, k_, v_, scale, odt), q, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _CausalAttention.apply(q, k, v, fwd, float(scale), odt)
+    with torch.no_grad():
+        return fwd(q, k, v)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -330,6 +371,26 @@ def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_dow
     from .triton.moe import moe_experts as tmoe
 
     return tmoe(x, w_gate, w_up, w_down, topk_ids, topk_weights, shared_out, k_segments_down=ROW_PARALLEL_K_SEGMENTS)
+
+
+def moe_expert_rows(x: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Routed-expert outputs per (token, slot) row before the combine (the learner's MoE): row ``r``
+    is expert ``ids[r]`` on token ``slots[r] // top_k``; ``w_gate_up[E, 2I, H]``, ``w_down[E, H, I]``.
+    Forward: the grouped Triton kernels on CUDA (bitwise the per-expert chains the engine's
+    ``moe_experts`` runs), the per-expert reference otherwise. Backward: grouped GEMMs
+    (kernels/moe_grad.py)."""
+    from . import moe_grad
+
+    if use_triton(x) and _same_float(x, w_gate_up, w_down):
+        from .triton.moe import expert_rows as trows
+
+        def fwd(x_, s_, i_, w13_, w2_, k_):
+            return trows(x_, torch.div(s_, k_, rounding_mode="floor"), i_, w13_, w2_,
+                         k_segments_down=ROW_PARALLEL_K_SEGMENTS)
+    else:
+        fwd = _moe.expert_rows
+    return moe_grad.expert_rows(x, slots, ids, w_gate_up, w_down, top_k, fwd)
 
 
 # ------------------------------------------------------------------------------------ logprobs

@@ -99,3 +99,18 @@ def moe_experts(
     if shared:
         shared_out = [expert_mlp(x, *ws) for ws in shared]
     return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
+
+
+def expert_rows(x: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Routed-expert outputs per (token, slot) row, before the combine: row ``r`` is
+    :func:`expert_mlp_merged` of token ``slots[r] // top_k`` (``x[T, H]``) through expert ``ids[r]``
+    (``w_gate_up[E, 2I, H]``, ``w_down[E, H, I]``) -> ``[R, H]``. Rows are grouped per expert (any
+    grouping gives the same bits: every op is row-invariant). The learner's MoE forward."""
+    R, H = ids.numel(), x.shape[-1]
+    y = x.new_empty(R, H)
+    tok = torch.div(slots, top_k, rounding_mode="floor")
+    for e in torch.unique(ids).tolist():
+        sel = (ids == e).nonzero().squeeze(1)
+        y = y.index_copy(0, sel, expert_mlp_merged(x[tok[sel]], w_gate_up[e], w_down[e]))
+    return y

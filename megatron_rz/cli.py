@@ -127,7 +127,7 @@ def _load(args):
         if not torch.cuda.is_available():
             raise RecipeError("warm_start.device=cuda but this machine has no CUDA device: run the recipe on "
                               "a GPU machine or set warm_start.device=cpu")
-    if recipe.rollout.weight_transport == "nccl" and recipe.rollout.where == "local":
+    if recipe.rollout.weight_transport in ("nccl", "ipc") and recipe.rollout.where == "local":  # GPU only
         import torch
 
         from vllm_bridge.weights import refusal

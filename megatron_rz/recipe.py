@@ -244,10 +244,11 @@ class RolloutConfig(_Strict):
     # How the learner's weights reach the engine (vllm_bridge/weights/select.py has the table): "auto" =
     # in-process bytes for one local engine at max_lag 0, bucket files otherwise; "inprocess";
     # "filesystem" (version directories of bucket files the workers read); "nccl" (vLLM's NCCL weight
-    # transfer, CUDA, engine on other GPUs); "reshard" (every learner rank writes only the engine
+    # transfer, CUDA, engine on other GPUs); "ipc" (CUDA IPC handles, device to device: learner and
+    # engine colocated, max_lag 0, local); "reshard" (every learner rank writes only the engine
     # workers' slices of what it holds, docs/tp.md "Resharding learner -> engine": max_lag 0, local,
     # mode=aligned). Whole tensors otherwise: gathered to learner rank 0, sent to every worker.
-    weight_transport: Literal["auto", "inprocess", "filesystem", "nccl", "reshard"] = "auto"
+    weight_transport: Literal["auto", "inprocess", "filesystem", "nccl", "ipc", "reshard"] = "auto"
     # Verify every parameter's bytes after every verify_every-th sync (1: every sync; the check reads the
     # weights once on each side, ~0.27 s per GB on one CPU core: docs/architecture.md "Reliability").
     verify_every: int = 1

@@ -145,6 +145,15 @@ class WeightSyncExtension:
         staged.append(tensors)
         return sum(len(b) for b in staged)
 
+    def rz_stage_ipc(self, payload: dict) -> int:
+        """Stage one bucket handed over by CUDA IPC (vllm_bridge.weights.ipc): copied out of the
+        learner's buffer onto this worker's device. Returns the number of tensors staged so far."""
+        from vllm_bridge.weights import ipc
+
+        staged = self._rz_staged_list()
+        staged.append(ipc.stage(payload, getattr(self, "device", torch.device("cuda"))))
+        return sum(len(b) for b in staged)
+
     def rz_abort_weights(self) -> None:
         self._rz_staged = []
 

@@ -437,3 +437,27 @@ def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_dow
     _launch_grouped(x, tok, w_gate, w_up, act, None, work, I, H, 1, True, bm)
     _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm)
     return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
+
+
+def expert_rows(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, *, k_segments_down: int = ROW_PARALLEL_K_SEGMENTS) -> torch.Tensor:
+    """Row ``r`` = expert ``ids[r]`` (``w_gate_up[E, 2I, H]`` gate rows first, ``w_down[E, H, I]``) on
+    ``x[tok[r]]`` -> ``[R, H]``, before any combine: the grouped kernels of :func:`moe_experts` (same
+    chains, so bitwise ``expert_mlp`` of each row alone). No host sync, no autograd."""
+    H = x.shape[-1]
+    E, I2, _ = w_gate_up.shape
+    I = I2 // 2
+    R = ids.numel()
+    y = torch.empty(R, H, device=x.device, dtype=x.dtype)
+    if R == 0:
+        return y
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bm = _block_m(R, E)
+    work = work_list(ids.reshape(-1), E, bm, top_k=1)
+    order = work[0]
+    a_rows = tok.to(torch.int32)[order.long()].contiguous()
+    act = torch.empty(R, I, device=x.device, dtype=x.dtype)
+    _launch_grouped(x, a_rows, w_gate_up[:, :I], w_gate_up[:, I:], act, None, work, I, H, 1, True, bm)
+    _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm)
+    return y

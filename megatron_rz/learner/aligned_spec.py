@@ -342,7 +342,8 @@ def fp8_fused_linear(mod, x: torch.Tensor, weight: torch.Tensor, bias=None, tp: 
 
 
 def _fp8_expert_forward(x: torch.Tensor, w_fc1: torch.Tensor, w_fc2: torch.Tensor) -> torch.Tensor:
-    """`expert_forward` with blockwise FP8: gate and up quantised as the checkpoint's two tensors."""
+    """One routed expert in blockwise FP8 (`kernels.expert_mlp_merged`'s chain): gate and up quantised as
+    the checkpoint's two tensors."""
     i = w_fc1.shape[0] // 2
     g = kernels.fake_quant_linear(x, w_fc1[:i], out_dtype=x.dtype)
     u = kernels.fake_quant_linear(x, w_fc1[i:], out_dtype=x.dtype)
@@ -543,14 +544,6 @@ def aligned_mlp_forward(mlp, hidden_states: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expert_forward(x: torch.Tensor, w_fc1: torch.Tensor, w_fc2: torch.Tensor) -> torch.Tensor:
-    """One routed expert on its token rows (not TP-split): merged gate/up, swiglu, down with the
-    row-parallel K rule."""
-    gu = kernels.linear(x, w_fc1)
-    i = w_fc1.shape[0] // 2
-    return kernels.linear(kernels.swiglu(gu[..., :i], gu[..., i:]), w_fc2, k_segments=ROW_PARALLEL_K_SEGMENTS)
-
-
 def _make_mlp_classes():
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -605,6 +598,36 @@ def _make_mlp_classes():
                 group_topk=p["group_topk"], norm_topk_prob=p["norm_topk_prob"],
                 scaling_factor=p["scaling_factor"])
 
+        def _expert_rows(self, x_all, flat, k):
+            """[T*k, H] routed-expert outputs of this rank's experts (zero rows for the others):
+            `kernels.moe_expert_rows` on the stacked weights (grouped kernels forward, grouped
+            GEMMs backward). The stack copies the experts' weights once per forward (autograd
+            returns each expert's gradient slice)."""
+            ex = self.experts.local_experts
+            w13 = torch.stack([e.linear_fc1.weight for e in ex])  # [E_local, 2I, H]
+            w2 = torch.stack([e.linear_fc2.weight for e in ex])  # [E_local, H, I]
+            e0, n_local = self.local_expert_indices[0], len(self.local_expert_indices)
+            if n_local == self.config.num_moe_experts:
+                slots = torch.arange(flat.numel(), device=flat.device)
+                return kernels.moe_expert_rows(x_all, slots, flat, w13, w2, k)
+            # expert parallel: this rank's rows only (a rank with none still runs on 0 rows, so the
+            # graph links y to x_all and every rank of the group runs the same backward collectives)
+            slots = ((flat >= e0) & (flat < e0 + n_local)).nonzero().squeeze(1)
+            rows = kernels.moe_expert_rows(x_all, slots, flat[slots] - e0, w13, w2, k)
+            return x_all.new_zeros(flat.numel(), x_all.shape[-1]).index_copy(0, slots, rows)
+
+        def _fp8_expert_rows(self, x_all, flat, k):
+            """Blockwise FP8: one expert at a time (each weight fake-quantised on its own)."""
+            y = x_all.new_zeros(flat.numel(), x_all.shape[-1])
+            for li, e in enumerate(self.local_expert_indices):
+                # An expert with no tokens still runs (on 0 rows): the graph then always links y to
+                # x_all, so every rank of the group runs the same backward collectives.
+                sel = (flat == e).nonzero().squeeze(1)
+                tok = torch.div(sel, k, rounding_mode="floor")
+                ex = self.experts.local_experts[li]
+                y = y.index_copy(0, sel, _fp8_expert_forward(x_all[tok], ex.linear_fc1.weight, ex.linear_fc2.weight))
+            return y
+
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None, **_):
             s, b, H = hidden_states.shape
             x = hidden_states.reshape(s * b, H)
@@ -619,15 +642,7 @@ def _make_mlp_classes():
                 x_all, ids_all = x, ids
             T = x_all.shape[0]
             flat = ids_all.reshape(-1)
-            y = x_all.new_zeros(T * k, H)
-            for li, e in enumerate(self.local_expert_indices):
-                # An expert with no tokens still runs (on 0 rows): the graph then always links y to
-                # x_all, so every rank of the group runs the same backward collectives.
-                sel = (flat == e).nonzero().squeeze(1)
-                tok = torch.div(sel, k, rounding_mode="floor")
-                ex = self.experts.local_experts[li]
-                fwd = _fp8_expert_forward if self.rz_fp8 else expert_forward
-                y = y.index_copy(0, sel, fwd(x_all[tok], ex.linear_fc1.weight, ex.linear_fc2.weight))
+            y = self._fp8_expert_rows(x_all, flat, k) if self.rz_fp8 else self._expert_rows(x_all, flat, k)
             if G > 1:  # each (token, slot) is non-zero on exactly one rank: the sum is exact
                 y = reduce_scatter_to_sequence_parallel_region(y, group=group)
             shared = None

@@ -1,10 +1,12 @@
 """The learner's attention backward on the GPU (kernels.dispatch.causal_attention with Triton).
 
 Forward: the invariant Triton kernel (its bits are what the loss sees). Backward: autograd of the
-same attention through torch's fused SDPA in fp32 (memory-efficient kernel), instead of the plain
-softmax(QK^T)V reference that keeps the S x S probabilities. Checked: gradients agree with the
-plain reference's to fp32 / bf16 rounding (GQA, several lengths); measured (printed, not
-asserted): peak memory of one forward + backward at 8k tokens, plain reference vs SDPA.
+same attention through torch's fused SDPA in the inputs' dtype (bf16: FlashAttention; fp32: the
+memory-efficient kernel) under torch's deterministic mode, instead of the plain softmax(QK^T)V
+reference that keeps the S x S probabilities. Checked: gradients agree with the plain fp32
+reference's to fp32 / bf16 rounding (GQA, several lengths) and are the same bits run to run;
+measured (printed, not asserted): peak memory of one forward + backward at 8k tokens, plain
+reference vs SDPA.
 
     PYTHONPATH=. python -m pytest tests/gpu/test_attention_backward_gpu.py -q -s
 """
@@ -31,7 +33,7 @@ def _inputs(B, S, Hq, Hk, Dh, dtype, seed=0):
 
 
 def _plain(q, k, v, scale):
-    """The same Triton forward with the old backward (autograd of the materialised reference)."""
+    """The same Triton forward with the first backward (autograd of the materialised fp32 reference)."""
     from kernels.triton.attn import attention_batched
 
     B, S, Hq, Dh = q.shape
@@ -83,3 +85,16 @@ def test_backward_peak_memory_8k_tokens():
     if os.environ.get("RZ_GPU_RESULTS"):
         Path(os.environ["RZ_GPU_RESULTS"], "attention_backward_memory.json").write_text(json.dumps(res, indent=1) + "\n")
     assert res["sdpa_peak_gib"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_deterministic(dtype):
+    """Two backward passes of the same inputs give the same gradient bits (long enough that a
+    non-deterministic kernel would split the keys over several blocks)."""
+    q, k, v = _inputs(2, 1024, 16, 4, 128, dtype, seed=3)
+    g = torch.randn(2, 1024, 16, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)).to(dtype)
+    runs = [torch.autograd.grad(D.causal_attention(q, k, v, 128 ** -0.5), (q, k, v), g) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    assert not torch.are_deterministic_algorithms_enabled()  # the global setting is restored

@@ -30,6 +30,7 @@ SUPPORTED = {
     "inprocess": {"inline": "InProcessTransport"},
     "filesystem": {p: "FilesystemTransport" for p in PLACEMENTS},
     "nccl": {"inline": "EngineNCCLTransport"},
+    "ipc": {"inline": "IPCTransport"},
     "reshard": {"inline": "ShardedFilesystemTransport"},
 }
 IN_THE_WAY = {"process": "schedule.max_lag > 0", "servers": "rollout.where=servers", "servers-async": "rollout.where=servers"}
@@ -84,14 +85,18 @@ def test_the_old_key_points_at_the_new_one(tmp_path):
         assert str(e.value).strip().endswith("rollout.weight_sync is now rollout.weight_transport (full: auto; reshard: reshard)")
 
 
+NO_CUDA = {"nccl": "vLLM's NCCL weight transfer is GPU only", "ipc": "CUDA IPC handles are GPU only"}
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_nccl_without_cuda_stops_rz_train_before_anything_starts(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megatron_rz.cli", "train", RECIPE, "rollout.weight_transport=nccl",
+@pytest.mark.parametrize("kind", sorted(NO_CUDA))
+def test_gpu_transports_without_cuda_stop_rz_train_before_anything_starts(kind, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_rz.cli", "train", RECIPE, f"rollout.weight_transport={kind}",
                           f"logging.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode != 0
     err = out.stderr.strip()
-    assert err.splitlines() == ["rz: error: rollout.weight_transport=nccl cannot be used here: this machine has no CUDA "
-                                "device (vLLM's NCCL weight transfer is GPU only); use rollout.weight_transport=auto"], err
+    assert err.splitlines() == [f"rz: error: rollout.weight_transport={kind} cannot be used here: this machine has no "
+                                f"CUDA device ({NO_CUDA[kind]}); use rollout.weight_transport=auto"], err
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
@@ -104,7 +109,7 @@ CONSTRUCTORS_ALLOWED = {
     "megatron_rz/loop/trainer.py",
 }
 TRANSPORT_CLASSES = {"InProcessTransport", "FilesystemTransport", "NCCLTransport", "EngineNCCLTransport",
-                     "ShardedFilesystemTransport"}
+                     "IPCTransport", "ShardedFilesystemTransport"}
 
 
 def test_no_module_outside_the_package_chooses_a_transport():

@@ -12,6 +12,7 @@ parameter of every worker is then checked against the learner's bytes (verify.Sy
     inprocess.py   safetensors bytes over collective_rpc into an engine of this process
     filesystem.py  version directories of bucket files the workers read themselves
     nccl.py        vLLM's NCCL weight-transfer API (GPU)
+    ipc.py         CUDA IPC handles, device to device (GPU; learner and engine colocated)
     reshard.py     every learner rank writes only its slices of each engine worker's shard
     verify.py      the every-parameter check after a sync (and the older readable-tensor one)
 

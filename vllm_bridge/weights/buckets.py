@@ -75,8 +75,9 @@ def stage_and_commit(rpc: Callable[..., list], payloads: Iterable[bytes | str | 
                      stage: str = "rz_stage_weights") -> dict:
     """The workers' half of the staging protocol, however they are reached (``rpc(method, *args)``
     returns the per-worker results: RolloutEngine's collective_rpc, a server's /collective_rpc):
-    abort whatever is half-staged, stage each payload (safetensors bytes, or the path of a
-    safetensors file the worker reads itself), commit them all with one in-place reload
+    abort whatever is half-staged, stage each payload (safetensors bytes, the path of a
+    safetensors file the worker reads itself, or a dict: a CUDA IPC handle and its table, for
+    ``stage="rz_stage_ipc"``), commit them all with one in-place reload
     (worker_ext). On failure the staged buckets are aborted (when ``alive()``) and the error
     re-raised: the old weights stay. Returns the first worker's commit info plus "staged"
     (payloads), "bytes" and "workers" (the last stage call's per-worker results). ``stage``: the
@@ -88,9 +89,13 @@ def stage_and_commit(rpc: Callable[..., list], payloads: Iterable[bytes | str | 
     rpc("rz_abort_weights")
     try:
         for payload in payloads:
-            raw = isinstance(payload, (bytes, bytearray))
-            n_bytes += len(payload) if raw else _path_bytes(payload)
-            workers = rpc(stage, payload if raw else str(payload))
+            if isinstance(payload, dict):  # a device handle and its table (weights.ipc): sent as is
+                n_bytes += int(payload["bytes"])
+                workers = rpc(stage, payload)
+            else:
+                raw = isinstance(payload, (bytes, bytearray))
+                n_bytes += len(payload) if raw else _path_bytes(payload)
+                workers = rpc(stage, payload if raw else str(payload))
             staged += 1
         info = rpc("rz_commit_weights", int(version), bool(reload))[0]
     except BaseException:

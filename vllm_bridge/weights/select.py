@@ -7,6 +7,8 @@ table, one factory. Nothing else in the project chooses a transport.
     inprocess   safetensors bytes over collective_rpc into an engine of this process
     filesystem  a version directory of bucket files the engine's workers read themselves
     nccl        vLLM's NCCL weight-transfer API (CUDA): rank 0 broadcasts each bucket to the workers
+    ipc         CUDA IPC handles (colocated learner and engine, CUDA): each bucket packed into one
+                device buffer the workers copy from, device to device (weights/ipc.py)
     reshard     every learner rank writes only its slices of each engine worker's shard
 
 Torch-free (the recipe validates with it before anything starts); the transports themselves are
@@ -22,7 +24,7 @@ from kernels.families import FAMILIES
 
 __all__ = ["TRANSPORTS", "WEIGHTS_DIR", "RESHARD_ARCHS", "resolve", "refusal", "make_transport"]
 
-TRANSPORTS = ("auto", "inprocess", "filesystem", "nccl", "reshard")
+TRANSPORTS = ("auto", "inprocess", "filesystem", "nccl", "ipc", "reshard")
 WEIGHTS_DIR = "rollout/weights"  # the one weight directory of a run (file-backed transports)
 RESHARD_ARCHS = tuple(f.name for f in FAMILIES if f.reshard_pieces)  # the learners that list their HF pieces
 
@@ -34,6 +36,8 @@ _NOT_SUPPORTED = {
     ("inprocess", "servers"): "rollout.where=servers: the engines are the job's vLLM servers",
     ("nccl", "process"): "schedule.max_lag > 0: the rollout process applies bucket files between engine steps",
     ("nccl", "servers"): "rollout.where=servers: the servers' workers read bucket files (their NCCL rendezvous is not wired)",
+    ("ipc", "process"): "schedule.max_lag > 0: the rollout process applies bucket files between engine steps",
+    ("ipc", "servers"): "rollout.where=servers: the servers' workers read bucket files",
     ("reshard", "process"): "schedule.max_lag > 0: the rollout process applies full-copy versions",
     ("reshard", "servers"): "rollout.where=servers: the servers read full-copy versions",
 }
@@ -68,6 +72,8 @@ def refusal(kind: str, *, where: str, max_lag: int, mode: str, arch: str, cuda: 
             why = f"model.arch={arch}: its learner lists no per-rank HF pieces (needs {', '.join(RESHARD_ARCHS)})"
     if why is None and kind == "nccl" and cuda is False:
         why = "this machine has no CUDA device (vLLM's NCCL weight transfer is GPU only)"
+    if why is None and kind == "ipc" and cuda is False:
+        why = "this machine has no CUDA device (CUDA IPC handles are GPU only)"
     if why is None:
         return None
     return f"rollout.weight_transport={kind} cannot be used here: {why}; use rollout.weight_transport=auto"
@@ -94,4 +100,8 @@ def make_transport(kind: str, *, run_dir: str | os.PathLike, engine=None, where:
         from vllm_bridge.weights.nccl import nccl_for_engine
 
         return nccl_for_engine(engine)
+    if kind == "ipc":
+        from vllm_bridge.weights.ipc import IPCTransport
+
+        return IPCTransport(engine)
     raise ValueError(f"rollout.weight_transport={kind!r}: expected one of {', '.join(TRANSPORTS)}")
