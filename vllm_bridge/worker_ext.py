@@ -15,14 +15,17 @@ bucket.
 
 from __future__ import annotations
 
+import inspect
+import math
 import time
 from typing import Any
 
 import torch
 
-# Parameters that stay readable after vLLM CPU weight processing (plain tensors in checkpoint
-# layout: embeddings, RMSNorm weights, router gates, DeepSeek score bias). Most linear weights
-# are prepacked for oneDNN on CPU and MoE experts for the CPU grouped GEMM: not comparable.
+# Parameters whose vLLM name, shape and layout are the checkpoint's (embeddings, RMSNorm weights,
+# router gates, DeepSeek score bias): what the older check_weights compares. On CPU the router gate
+# too is moved into an sgl pack (emptied). The every-parameter check of a stock class covers the rest
+# through stock_pieces (below).
 READABLE_SUFFIXES = (
     "embed_tokens.weight",
     "norm.weight",  # input_layernorm, post_attention_layernorm, q_norm, k_norm, kv_a_layernorm, final
@@ -119,6 +122,174 @@ def is_readable_name(name: str) -> bool:
     return name.endswith(READABLE_SUFFIXES)
 
 
+# ------------------------------------------------------------------ stock vLLM classes (mode=fast)
+#
+# A stock class holds most checkpoint tensors in its own layouts: q/k/v packed into qkv_proj, gate/up into
+# gate_up_proj, experts stacked into w13_weight / w2_weight, TP shards of each; on CPU, vLLM then moves the
+# linear weights into oneDNN / sgl packs (the parameter is emptied: nothing left to read back) and
+# re-lays the MoE stacks out for the CPU grouped GEMM. Where each checkpoint tensor lands is what vLLM's
+# own weight loaders do, so that is what is asked: ``stock_pieces`` runs the model's load_weights
+# through vLLM's layerwise-reload machinery on shape-only (meta) tensors (nothing is written: every layer
+# gets its own tensors back untouched), then replays each recorded loader call on a float64 scratch copy
+# of its parameter with a tensor of flat indices as the loaded weight. The scratch then says, element by
+# element, which checkpoint element the loader put there; each (checkpoint tensor -> parameter) write is
+# kept when it is one box of the parameter filled, in row-major order, by one box of the checkpoint
+# tensor (a narrow copy: the TP shard of q_proj into its rows of qkv_proj, expert 3's gate_proj into
+# w13_weight[3, :I]) -- then the bits of that engine box equal tensor_bits of that checkpoint box, and
+# the learner's side checks it as any other box (vllm_bridge.weights.verify.SyncCheck). Anything else
+# (a transposing or scattering loader) is reported unverified with its bytes.
+#
+# The engine's bits of a piece are taken at load time: rz_commit_weights's reload runs with a hook
+# (``_capture_loaded``) that checksums every piece of a layer after vLLM's loaders wrote it and before
+# process_weights_after_loading packs it. A parameter that processing leaves as loaded (norms,
+# embeddings, router gates; every linear on GPU) is read back live at verify time instead, so a later
+# change of its memory is caught as well; a packed one (CPU oneDNN linears, CPU MoE stacks) is checked
+# as loaded: the bytes the pack was built from, not the pack.
+
+
+def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype)} from the headers of the checkpoint's safetensors files (the
+    learner's export has the checkpoint's names and shapes)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        out.update({k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def _record_loads(model, vllm_config, shapes: dict) -> list[tuple[str, str, Any, str]]:
+    """[(module name, parameter name, bound loader arguments, checkpoint name)] of every loader call the
+    model's load_weights makes for meta tensors of the checkpoint's shapes; the model keeps its tensors."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import layerwise as lw
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    module_name = {id(m): n for n, m in model.named_modules()}
+    probes = {n: torch.empty(s, dtype=_ST_DTYPES.get(d, torch.float32), device="meta") for n, (s, d) in shapes.items()
+              if not n.endswith(tuple(SKIP_LOAD_TENSORS))}  # those are written straight into the live tensor
+    of_probe = {id(t): n for n, t in probes.items()}
+    records: list = []
+    real = lw._layerwise_process
+
+    def record(layer, info):  # instead of materialise + load + process: note the calls, put the layer back
+        for pname, args in info.loaded_weights:
+            t = next((v for k, v in args.arguments.items() if k != "param" and isinstance(v, torch.Tensor)
+                      and id(v if v._base is None else v._base) in of_probe), None)
+            name = None if t is None else of_probe[id(t if t._base is None else t._base)]
+            records.append((module_name.get(id(layer), "?"), pname, args, name))
+        for t in get_layer_tensors(layer).values():
+            t.weight_loader = lw._get_original_loader(t)
+        lw._place_kernel_tensors(layer, info)
+        info.reset()
+
+    lw._layerwise_process = record
+    try:
+        with set_current_vllm_config(vllm_config):
+            lw.initialize_layerwise_reload(model)
+            try:
+                model.load_weights(iter(probes.items()))
+            finally:
+                lw.finalize_layerwise_reload(model, vllm_config.model_config)
+    finally:
+        lw._layerwise_process = real
+    return records
+
+
+def _box_of(sel: torch.Tensor) -> list[list[int]] | None:
+    """The box [[lo, hi), ...] that the True elements of ``sel`` fill exactly, or None."""
+    count = int(sel.sum())
+    if count == 0:
+        return None
+    box = []
+    for d in range(sel.dim()):  # per dimension, the span of the indices that hold a True element
+        hit = sel.movedim(d, 0).reshape(sel.shape[d], -1).any(1).nonzero().flatten()
+        box.append([int(hit[0]), int(hit[-1]) + 1])
+    return box if math.prod(b - a for a, b in box) == count else None
+
+
+def stock_pieces(model, vllm_config, model_dir: str) -> dict:
+    """Where vLLM's loaders put each checkpoint tensor in a stock model (see above): {"pieces":
+    {checkpoint name: {"param", "engine_box", "shape" (the checkpoint tensor's), "box" (of it), "dtype"}},
+    "unverified": {parameter: bytes the pieces do not cover}, "irregular": [checkpoint names]}."""
+    from vllm_bridge.shards import narrow
+
+    shapes = _checkpoint_shapes(model_dir)
+    records = _record_loads(model, vllm_config, shapes)
+    params = dict(model.named_parameters())
+    by_param: dict[str, list] = {}
+    for mod, pname, args, name in records:
+        by_param.setdefault(f"{mod}.{pname}" if mod else pname, []).append((args, name))
+    pieces, irregular, covered, written = {}, [], {}, {}
+    for qual, calls in by_param.items():
+        meta_p = calls[0][0].arguments["param"]
+        scratch = torch.zeros(tuple(meta_p.shape), dtype=torch.float64)
+        scratch.__class__ = meta_p.__class__
+        scratch.__dict__ = meta_p.__dict__.copy()
+        spans, off = [], 0
+        for args, name in calls:
+            if name is None:
+                continue
+            full = math.prod(shapes[name][0])
+            a = inspect.BoundArguments(args.signature, dict(args.arguments))
+            for k, v in args.arguments.items():
+                if k != "param" and isinstance(v, torch.Tensor) and v.is_meta:
+                    idx = torch.arange(off + 1, off + 1 + full, dtype=torch.float64)
+                    a.arguments[k] = idx.as_strided(v.size(), v.stride(), v.storage_offset())
+            a.arguments["param"] = scratch
+            getattr(meta_p, "weight_loader")(*a.args, **a.kwargs)
+            spans.append((name, off, full))
+            off += full
+        s = scratch.data
+        written[qual] = int((s > 0).sum())
+        dtype = str(meta_p.dtype).replace("torch.", "")
+        for name, o, n in spans:
+            sel = (s > o) & (s <= o + n)
+            ebox = _box_of(sel)
+            if ebox is None or name in pieces:
+                irregular.append(name)
+                continue
+            src = narrow(s, ebox).reshape(-1).to(torch.int64) - (o + 1)
+            grid = torch.arange(n, dtype=torch.int64).view(shapes[name][0])
+            hbox = _box_of(torch.zeros(shapes[name][0], dtype=torch.bool).view(-1).index_fill_(
+                0, src, True).view(shapes[name][0]))
+            if hbox is None or not torch.equal(narrow(grid, hbox).reshape(-1), src):
+                irregular.append(name)  # not a box-to-box copy in row-major order
+                continue
+            pieces[name] = {"param": qual, "engine_box": ebox, "shape": list(shapes[name][0]), "box": hbox,
+                            "dtype": dtype}
+    for name in irregular:
+        pieces.pop(name, None)
+    for p in pieces.values():
+        covered[p["param"]] = covered.get(p["param"], 0) + math.prod(b - a for a, b in p["engine_box"])
+    by_module: dict[str, dict[str, list]] = {}
+    for name, p in pieces.items():
+        mod, _, pname = p["param"].rpartition(".")
+        by_module.setdefault(mod, {}).setdefault(pname, []).append((name, p["engine_box"]))
+    unverified = {}
+    for qual, p in params.items():
+        if qual in written:
+            left = written[qual] - covered.get(qual, 0)
+            if left:
+                unverified[qual] = int(left * p.element_size())
+        elif not is_readable_name(qual):
+            unverified[qual] = int(p.numel() * p.element_size())
+    return {"pieces": pieces, "by_module": by_module, "unverified": unverified,
+            "irregular": sorted(set(irregular)), "shapes": {q: list(c[0][0].arguments["param"].shape)
+                                                            for q, c in by_param.items()}}
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker. All state lives in attributes prefixed ``_rz_``."""
 
@@ -178,7 +349,11 @@ class WeightSyncExtension:
             # Worker.reload_weights -> vllm.model_executor.model_loader.reload.reload_weights:
             # layerwise in-place reload (keeps parameter storage, re-runs weight processing).
             # The vLLM 0.32 CPU MoE prepack bug on reload is fixed by vllm_bridge.vllm_patches.
-            self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+            if getattr(self, "_rz_stock", None) is not None:  # a stock class whose layout was asked
+                with self._rz_capture_loaded():
+                    self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+            else:
+                self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         self._rz_version = int(version)
         return {"num_tensors": len(names), "reload_s": time.perf_counter() - t0, "reloaded": bool(reload)}
 
@@ -204,30 +379,142 @@ class WeightSyncExtension:
     def rz_shard_checksums(self, names: list[str] | None = None) -> dict:
         """{"rank", "sums": bits_entry of every parameter} (names: only those): the read-back of the
         every-parameter verification (vllm_bridge.weights.verify.SyncCheck, weights.reshard.check_resharded),
-        computed where the parameters live (on the device on GPU)."""
+        computed where the parameters live (on the device on GPU). A stock class (its layout asked:
+        rz_verify_layout) also reports the checkpoint tensors it holds in its own layouts, by checkpoint
+        name: the bits of the box of the parameter holding it, read live where vLLM's processing left the
+        parameter as loaded (``"at": "live"``), else the bits taken when it was loaded (``"at": "load"``:
+        a CPU oneDNN-packed linear, a CPU MoE stack), before the pack was built from them."""
+        from vllm_bridge.shards import narrow
+
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
-        wanted = params if names is None else [n for n in names if n in params]
-        return {"rank": int(self.rank), "sums": {n: bits_entry(params[n]) for n in wanted}}
+        stock = getattr(self, "_rz_stock", None)
+        wanted = list(params) if names is None else names
+        sums = {}
+        for n in wanted:
+            piece = None if stock is None else stock["pieces"].get(n)
+            if piece is None:
+                if n in params:
+                    sums[n] = bits_entry(params[n])
+                continue
+            shape = [b - a for a, b in piece["box"]]
+            if self._rz_live.get(piece["param"]) and piece["param"] in params:
+                sums[n] = {"shape": shape, "dtype": piece["dtype"], "at": "live",
+                           "bits": tensor_bits(narrow(params[piece["param"]].detach(), piece["engine_box"]))}
+            elif n in self._rz_loaded:
+                sums[n] = {"shape": shape, "dtype": piece["dtype"], "at": "load", "bits": self._rz_loaded[n]}
+        return {"rank": int(self.rank), "sums": sums}
+
+    def _rz_capture_loaded(self):
+        """A context for one reload of a stock class: vLLM's layerwise reload processes each layer once
+        all its checkpoint tensors arrived (layerwise._layerwise_process: materialise, run the loaders,
+        process_weights_after_loading, copy into the kernel tensors); this wraps that step so the bits
+        of every piece (stock_pieces) are taken after the loaders wrote them and before processing packs
+        them (into ``_rz_loaded``), and, the first time a parameter is seen, records whether processing
+        left it as loaded (then it is read back live: ``_rz_live``)."""
+        import contextlib
+
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload import layerwise as lw
+
+        from vllm_bridge.shards import narrow
+
+        stock, loaded, live = self._rz_stock, self._rz_loaded, self._rz_live
+        module_name = {id(m): n for n, m in self.model_runner.get_model().named_modules()}
+        real = lw._layerwise_process
+
+        def take(layer, mine) -> dict:
+            got = {}
+            for pname, items in mine.items():
+                t = getattr(layer, pname, None)
+                for name, ebox in items:
+                    if t is not None and t.dim() == len(ebox) and all(b <= s for (_, b), s in zip(ebox, t.shape)):
+                        got[name] = tensor_bits(narrow(t.detach(), ebox))
+            return got
+
+        def hooked(layer, info):
+            mod = module_name.get(id(layer))
+            mine = stock["by_module"].get(mod)
+            if not mine:
+                return real(layer, info)
+            qm = getattr(layer, "quant_method", None)
+            got: dict = {}
+            if isinstance(qm, QuantizeMethodBase):
+                before = qm.__dict__.get("process_weights_after_loading")
+                orig = qm.process_weights_after_loading
+
+                def process(lay, *a, **k):
+                    if lay is layer:
+                        got.update(take(layer, mine))
+                    return orig(lay, *a, **k)
+
+                qm.process_weights_after_loading = process
+                try:
+                    out = real(layer, info)
+                finally:
+                    if before is None:
+                        del qm.process_weights_after_loading
+                    else:
+                        qm.process_weights_after_loading = before
+            else:
+                out = real(layer, info)
+            if not got:  # no processing step (a norm): the parameters now hold what was loaded
+                got = take(layer, mine)
+            loaded.update(got)
+            for pname, items in mine.items():
+                qual = f"{mod}.{pname}" if mod else pname
+                if qual not in live:
+                    t = getattr(layer, pname, None)
+                    live[qual] = (t is not None and list(t.shape) == stock["shapes"][qual]
+                                  and all(n in got for n, _ in items)
+                                  and take(layer, {pname: items}) == {n: got[n] for n, _ in items})
+            return out
+
+        @contextlib.contextmanager
+        def ctx():
+            lw._layerwise_process = hooked
+            try:
+                yield
+            finally:
+                lw._layerwise_process = real
+
+        return ctx()
+
+    def rz_live_pieces(self) -> dict:
+        """{parameter: [[checkpoint name, box of the parameter], ...]} of a stock class's parameters that
+        are read back live (held as loaded); the flip tests draw in-memory flips from these."""
+        stock = getattr(self, "_rz_stock", None) or {"pieces": {}}
+        out: dict = {}
+        for name, p in stock["pieces"].items():
+            if self._rz_live.get(p["param"]):
+                out.setdefault(p["param"], []).append([name, p["engine_box"]])
+        return out
 
     def rz_verify_layout(self) -> dict:
         """What the every-parameter verification compares on this worker (transport.SyncCheck):
         an aligned class's rz_shard_layout (every parameter, with the box of the Hugging Face tensor
-        it holds); a stock vLLM class (no rz_shards) only the parameters that keep their checkpoint
-        name, shape and bytes (READABLE_SUFFIXES), and under "unverified" {name: bytes} of the rest
-        (packed q/k/v and gate/up, stacked experts, weights moved into oneDNN / CPU MoE packs on CPU:
-        their bytes are not the checkpoint's, or, emptied, not held at all: 0 bytes)."""
+        it holds). A stock vLLM class (no rz_shards): every checkpoint tensor that vLLM's loaders copy
+        into a box of a parameter (stock_pieces: packed q/k/v and gate/up, stacked experts, TP shards,
+        embeddings, norms, router), with the box of the checkpoint tensor this worker holds; the
+        readable parameters no loader call reached (READABLE_SUFFIXES: e.g. the DeepSeek score bias,
+        written straight into the live tensor) whole; and under "unverified" {parameter: bytes} of what
+        is left (a loader that transposes or scatters, a parameter no checkpoint tensor fills). The map
+        is made once per worker (a dry run of the loaders on meta tensors: the model is not changed);
+        every later sync's reload then takes the bits of each piece as loaded (_rz_capture_loaded)."""
         model = self.model_runner.get_model()
         if hasattr(model, "rz_shards"):
             return {**self.rz_shard_layout(), "unverified": {}}
-        params, unverified = {}, {}
+        if getattr(self, "_rz_stock", None) is None:
+            self._rz_stock = stock_pieces(model, self.vllm_config, self.vllm_config.model_config.model)
+            self._rz_loaded, self._rz_live = {}, {}
+        stock = self._rz_stock
+        params = {n: {k: p[k] for k in ("shape", "box", "dtype")} for n, p in stock["pieces"].items()}
+        covered = {p["param"] for p in stock["pieces"].values()}
         for n, p in model.named_parameters():
-            if is_readable_name(n) and p.numel() > 0:  # vLLM-CPU empties the weights it moved into a GEMM pack
+            if n not in covered and n not in params and is_readable_name(n) and p.numel() > 0:
                 params[n] = {"shape": list(p.shape), "box": [[0, s] for s in p.shape],
                              "dtype": str(p.dtype).replace("torch.", "")}
-            else:
-                unverified[n] = int(p.numel() * p.element_size())
-        return {"rank": int(self.rank), "params": params, "unverified": unverified}
+        return {"rank": int(self.rank), "params": params, "unverified": dict(stock["unverified"])}
 
     def rz_flip_byte(self, name: str, index: int, xor: int) -> bool:
         """XOR one byte of a parameter in place (the flip tests corrupt a synced engine this way;

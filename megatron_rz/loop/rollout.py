@@ -386,9 +386,11 @@ class InlineRollout:
             check = SyncCheck(self._verify_layout)
             if check.unverified:
                 print(f"[rz] weight sync verification: {len(check.unverified)} engine parameters "
-                      f"({sum(check.unverified.values()) / 1e6:.1f} MB) are held in stock vLLM's own layouts "
-                      f"(mode=fast) and not compared; the {sum(len(x) for x in check.layout)} in checkpoint "
-                      "layout are", flush=True)
+                      f"({sum(check.unverified.values()) / 1e6:.1f} MB) are filled by stock vLLM's loaders in a "
+                      f"way the check cannot map box by box (mode=fast) and are not compared: "
+                      f"{', '.join(sorted(check.unverified)[:4])}{' ...' if len(check.unverified) > 4 else ''}; "
+                      f"the {sum(len(x) for x in check.layout)} (worker, checkpoint tensor) pieces held are "
+                      "checked exactly", flush=True)
             return check
         return SyncCheck(self._verify_layout)
 

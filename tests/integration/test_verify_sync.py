@@ -12,6 +12,11 @@ file order:
   with RZ_TEST_VERIFY_SERVER=1 a `vllm serve` server. Then flips of a byte of a parameter inside the
   engine after a clean sync (rz_flip_byte). Each must raise WeightSyncError naming exactly that
   parameter (N/N caught); a clean sync of the same weights passes (no false alarm).
+* mode=fast (a stock-class engine on the same checkpoint, for its test class only): every one of the
+  69 checkpoint tensors verified although vLLM holds them packed (q/k/v, gate/up), stacked (experts)
+  or, on CPU, moved into oneDNN / sgl / CPU-MoE packs (checked as loaded); flips drawn over all the
+  bytes of the sync, one flip in each of the 69 tensors, and in-memory flips in every parameter the
+  stock engine still holds as loaded: N/N caught.
 * The remote-engine rule: the same engine given to InlineRollout as a remote one (not restartable),
   its engine core SIGKILLed: fetch_batch stops with the engine's error, no restart.
 * The restart budget (schedule.engine_restarts=2): the loop's own rollout, whose engine is now dead:
@@ -28,6 +33,7 @@ see docs/architecture.md "Reliability" for the command).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -170,12 +176,11 @@ def test_clean_sync_verifies_every_parameter(setup):
           f"engine read-back {v['engine_s']:.4f} s; the sync itself {info['total_s']:.3f} s")
 
 
-def test_flips_in_process(setup, monkeypatch):
-    """The loop's in-process push (InlineRollout.push_weights -> InProcessTransport), one byte of
-    the safetensors bytes handed to the engine flipped."""
+def _flips_in_process(ro, sd, rng, monkeypatch, kind: str, v0: int) -> None:
+    """FLIPS syncs through the loop's in-process push, each with one byte of the safetensors bytes
+    handed to the engine flipped: each caught, naming the tensor; then a clean sync passes."""
     import vllm_bridge.weights.inprocess as tr
 
-    ro, sd, rng = setup["rollout"], setup["sd"], random.Random(11)
     real = tr.to_safetensors
     names, t0 = [], time.perf_counter()
     for i in range(FLIPS):
@@ -183,10 +188,16 @@ def test_flips_in_process(setup, monkeypatch):
         name = _flip_in(payloads, rng)
         it = iter(payloads)
         monkeypatch.setattr(tr, "to_safetensors", lambda b: bytes(next(it)))  # the corrupted transfer
-        names.append(_expect_caught(lambda: ro.push_weights(_buckets(sd), 2 + i, verify=True), name))
+        names.append(_expect_caught(lambda: ro.push_weights(_buckets(sd), v0 + i, verify=True), name))
         monkeypatch.setattr(tr, "to_safetensors", real)
-    _count("inprocess", FLIPS, names, time.perf_counter() - t0)
-    assert ro.push_weights(_buckets(sd), 100, verify=True)["verify"]["checked"] == 69  # clean again
+    _count(kind, FLIPS, names, time.perf_counter() - t0)
+    assert ro.push_weights(_buckets(sd), v0 + FLIPS, verify=True)["verify"]["checked"] == 69  # clean again
+
+
+def test_flips_in_process(setup, monkeypatch):
+    """The loop's in-process push (InlineRollout.push_weights -> InProcessTransport), one byte of
+    the safetensors bytes handed to the engine flipped."""
+    _flips_in_process(setup["rollout"], setup["sd"], random.Random(11), monkeypatch, "inprocess", 2)
 
 
 def test_flips_filesystem(setup, monkeypatch):
@@ -331,6 +342,120 @@ def test_flips_through_a_vllm_server(setup):
             proc.wait(30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ stock vLLM classes (mode=fast)
+
+
+@pytest.fixture(scope="class")
+def fast(setup):
+    """A stock-class engine (mode=fast) on the same checkpoint, for this class only (closed at its end):
+    its q/k/v packed in qkv_proj, gate/up in gate_up_proj, experts stacked in w13/w2, and on CPU the
+    linears (router included) moved into oneDNN / sgl packs and the MoE stacks re-laid out."""
+    from megatron_rz.loop.rollout import InlineRollout
+
+    recipe = setup["recipe"].model_copy(deep=True)
+    recipe.mode = "fast"
+    t0 = time.perf_counter()
+    ro = InlineRollout(recipe, setup["base"], setup["tmp"] / "fast_run", 0, 0)
+    REPORT["fast_engine_start_s"] = round(time.perf_counter() - t0, 1)
+    assert not ro.engine.aligned
+    yield ro
+    ro.close()
+
+
+class TestFastMode:
+    """mode=fast: every checkpoint tensor verified too (worker_ext.stock_pieces: where vLLM's own
+    loaders put it; the bits taken as loaded where vLLM then packs it away)."""
+
+    def test_clean_sync_verifies_every_checkpoint_tensor(self, setup, fast):
+        from vllm_bridge.weights.verify import SyncCheck
+
+        sd = setup["sd"]
+        seqs = [[5, 6, 7, 8, 9, 10], [3, 4, 30, 31, 2]]
+        before = fast.engine.score(seqs)
+        layout = SyncCheck.layout_of(fast.engine)  # the dry run of the loaders (meta tensors)
+        assert fast.engine.score(seqs) == before  # ... changed nothing in the model
+        (report,) = layout
+        assert sorted(report["params"]) == sorted(sd) and report["unverified"] == {}
+        shapes = fast.engine.collective_rpc("rz_param_shapes")[0]
+        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [0]  # on CPU: moved into a oneDNN pack
+        assert len(shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"]) == 3  # stacked experts
+        runs = [fast.push_weights(_buckets(sd), 1, verify=True) for _ in range(2)]
+        v = runs[-1]["verify"]
+        assert v["checked"] == 69 and v["unverified"] == 0 and v["unverified_bytes"] == 0
+        assert v["bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
+        live = fast.engine.collective_rpc("rz_live_pieces")[0]
+        assert v["at_load"] == 69 - sum(len(x) for x in live.values()) > 0
+        # the engine now computes with the synced weights (the hook only reads)
+        new = fast.engine.score(seqs)
+        assert new != before
+        fast.push_weights(_buckets(sd), 2, verify=True)
+        assert fast.engine.score(seqs) == new
+        REPORT["fast_clean_sync"] = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items()}
+        print(f"\nfast mode clean sync: {v['checked']} checkpoint tensors ({v['bytes']} bytes) verified, "
+              f"{v['at_load']} of them as loaded (packed after loading), {len(live)} read back live")
+
+    def test_flips_in_process(self, setup, fast, monkeypatch):
+        """Flips drawn uniformly over all the bytes of the sync, so over every checkpoint tensor by size:
+        q/k/v, o, router (all oneDNN/sgl-packed on CPU), experts (stacked, CPU-packed), embeddings, norms."""
+        _flips_in_process(fast, setup["sd"], random.Random(21), monkeypatch, "fast_inprocess", 2)
+
+    def test_a_flip_in_every_checkpoint_tensor(self, setup, fast, monkeypatch):
+        """One flipped byte (drawn within the tensor) in each of the 69 checkpoint tensors in turn,
+        through the in-process push: every kind of stock layout is hit, not only the large experts."""
+        import vllm_bridge.weights.inprocess as tr
+
+        sd, rng = setup["sd"], random.Random(23)
+        real = tr.to_safetensors
+        names, t0 = [], time.perf_counter()
+        for i, target in enumerate(sorted(sd)):
+            payloads = [bytearray(real(b)) for b in _buckets(sd)]
+            for raw in payloads:
+                start, items = _safetensors_spans(raw)
+                for name, b, e in items:
+                    if name == target:
+                        raw[start + b + rng.randrange(e - b)] ^= rng.randrange(1, 256)
+            it = iter(payloads)
+            monkeypatch.setattr(tr, "to_safetensors", lambda b: bytes(next(it)))
+            names.append(_expect_caught(lambda: fast.push_weights(_buckets(sd), 50 + i, verify=True), target))
+            monkeypatch.setattr(tr, "to_safetensors", real)
+        _count("fast_every_tensor", len(names), names, time.perf_counter() - t0)
+        assert sorted(names) == sorted(sd)
+        assert fast.push_weights(_buckets(sd), 200, verify=True)["verify"]["checked"] == 69
+
+    def test_flips_inside_the_engine_after_a_sync(self, setup, fast):
+        """In-memory flips in every parameter the stock engine still holds as loaded (rz_live_pieces,
+        drawn by size) are caught. The packed copies (oneDNN handles, CPU MoE packs) are checked as
+        loaded: a later change of their memory is outside this check."""
+        from vllm_bridge.shards import box_numel
+        from vllm_bridge.weights.verify import SyncCheck
+
+        sd, rng = setup["sd"], random.Random(22)
+        fast.push_weights(_buckets(sd), 600, verify=True)
+        check = SyncCheck(SyncCheck.layout_of(fast.engine)).named(sd.items())
+        live = fast.engine.collective_rpc("rz_live_pieces")[0]
+        shapes = fast.engine.collective_rpc("rz_param_shapes")[0]
+        itemsize = sd[next(iter(sd))].element_size()
+        sizes = {n: math.prod(shapes[n]) * itemsize for n in live}
+        order = sorted(sizes)
+        names, t0 = [], time.perf_counter()
+        for _ in range(ENGINE_FLIPS):
+            param = rng.choices(order, weights=[sizes[n] for n in order])[0]
+            index, xor = rng.randrange(sizes[param]), rng.randrange(1, 256)
+            flat = index // itemsize
+            pos = []
+            for s in reversed(shapes[param]):
+                pos.append(flat % s)
+                flat //= s
+            pos = pos[::-1]
+            name = next(n for n, box in live[param] if all(a <= x < b for x, (a, b) in zip(pos, box)))
+            assert all(box_numel(box) for _, box in live[param])
+            assert fast.engine.collective_rpc("rz_flip_byte", param, index, xor) == [True]
+            names.append(_expect_caught(lambda: check.verify(fast.engine, 600), name))
+            fast.engine.collective_rpc("rz_flip_byte", param, index, xor)  # undo
+        _count("fast_engine_memory", ENGINE_FLIPS, names, time.perf_counter() - t0)
+        assert check.verify(fast.engine, 600)["checked"] == 69
 
 
 # ------------------------------------------------------------------ engine death, through the loop

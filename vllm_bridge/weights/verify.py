@@ -8,9 +8,13 @@ worker's box of each tensor is computed, in the engine parameter's dtype; after 
 worker checksums every parameter where it lives (rz_shard_checksums, on the device on GPU) and
 any difference, missing or unexpected parameter raises WeightSyncError naming it. The same bits
 and boxes as the resharded sync's check (vllm_bridge.weights.reshard). A stock vLLM class (mode=fast)
-keeps only embeddings, norms and router gates in checkpoint layout: only those are compared, and
-the rest is reported as unverified. ``check_weights`` is the older readable-tensor comparison
-(RolloutEngine.verify_sync).
+holds most checkpoint tensors in its own layouts (packed q/k/v and gate/up, stacked experts, and on
+CPU linears moved into oneDNN packs): its workers report, per checkpoint tensor, the box of it they
+hold, found by running vLLM's own weight loaders on index tensors (worker_ext.stock_pieces), and the
+bits of the box of the parameter holding it -- read live where the parameter stays as loaded, else
+taken as the reload wrote it, before vLLM packed it (``"at": "load"``; counted in ``at_load``).
+Whatever the loaders put elsewhere than one box is reported as unverified. ``check_weights`` is the
+older readable-tensor comparison (RolloutEngine.verify_sync).
 
 Runs on both sides; never imports megatron.
 """
@@ -191,15 +195,17 @@ class SyncCheck:
     def verify(self, engine, version: int) -> dict:
         """Every worker of every engine target against the learner's bits. Returns {"checked"
         (parameters per target), "targets", "bytes" (learner bytes checksummed), "learner_s",
-        "engine_s" (read-back, all targets), "unverified" (parameters a stock class holds in a
-        layout that is not the checkpoint's), "unverified_bytes"}."""
+        "engine_s" (read-back, all targets), "at_load" (of those checked, the pieces a stock class
+        packed after loading, checked as loaded), "unverified" (parameters a stock class holds in a
+        layout its loaders do not fill box by box), "unverified_bytes"}."""
         t0 = time.perf_counter()
-        checked = 0
+        checked = at_load = 0
         targets = worker_targets(engine)
         names = sorted({n for lay in self.layout for n in lay})
         for label, rpc in targets:
             reported = [x["sums"] for x in sorted(rpc("rz_shard_checksums", names), key=lambda x: int(x["rank"]))]
             checked = self.compare(reported, version, label)["checked"]
+            at_load = sum(e.get("at") == "load" for r in reported for e in r.values())
         return {"checked": checked, "targets": len(targets), "bytes": self.bytes, "learner_s": self.seconds,
-                "engine_s": time.perf_counter() - t0, "unverified": len(self.unverified),
+                "engine_s": time.perf_counter() - t0, "at_load": at_load, "unverified": len(self.unverified),
                 "unverified_bytes": sum(self.unverified.values())}
