@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     _write_ckpt(r.model, sd, ckpt)
     del sd
     t0 = time.perf_counter()
-    engine = RolloutEngine(ckpt, aligned=True, dtype="bfloat16", kv_cache_gb=2.0, max_model_len=512,
+    engine = RolloutEngine(ckpt, aligned=True, dtype="bfloat16", kv_cache_gb=2.0, max_model_len=256,
                            skip_tokenizer_init=True, gpu_memory_utilization=0.3)
     res: dict = {"config": a.config, "engine_start_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(),
                  "transports": {}}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import time
 from collections.abc import Iterable
 
@@ -68,7 +69,7 @@ def stage(payload: dict, device) -> dict[str, torch.Tensor]:
     if payload.get("pid") == os.getpid():
         buf = _LIVE[payload["key"]]
     else:
-        rebuild, args = payload["handle"]
+        rebuild, args = pickle.loads(payload["handle"])  # torch's own rebuild function and its arguments
         buf = rebuild(*args)
     tensors = unpack(buf, payload["table"], device)
     torch.cuda.synchronize(device)
@@ -95,7 +96,8 @@ class IPCTransport(WeightTransport):
             _LIVE[key] = buf
             timing["pack_s"] += time.perf_counter() - t
             try:
-                yield {"handle": reduce_tensor(buf), "table": table, "key": key, "pid": os.getpid(),
+                # pickled here: vLLM's RPC serialiser (msgspec) refuses the rebuild function it holds
+                yield {"handle": pickle.dumps(reduce_tensor(buf)), "table": table, "key": key, "pid": os.getpid(),
                        "bytes": sum(row[4] for row in table)}
             finally:
                 # the worker copied and synchronised before its RPC returned
