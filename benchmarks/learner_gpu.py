@@ -55,7 +55,7 @@ CONFIGS = {
 ONE_GPU = ["parallel.tp=1", "parallel.ep=1", "parallel.dp=1", "parallel.pp=1", "parallel.distributed_optimizer=false"]
 
 
-def _recipe(name: str, mode: str):
+def bench_recipe(name: str, mode: str):
     from megatron_rz.recipe import load_recipe
 
     path, overrides, *_ = CONFIGS[name]
@@ -70,7 +70,7 @@ def random_hf_weights(model_cfg, seed: int = 0, device: str = "cuda") -> dict:
     from megatron_rz.learner.tiny_models import hf_config
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from rollout_gpu import _shapes
+    from rollout_gpu import param_shapes
 
     c = hf_config(model_cfg, 1, 0).to_dict()
     c.setdefault("head_dim", model_cfg.head_dim)
@@ -82,7 +82,7 @@ def random_hf_weights(model_cfg, seed: int = 0, device: str = "cuda") -> dict:
         c.setdefault(k, v)
     g = torch.Generator(device=device).manual_seed(seed)
     sd = {}
-    for n, shape in _shapes(c).items():
+    for n, shape in param_shapes(c).items():
         if n.endswith("norm.weight") or "layernorm" in n:
             sd[n] = torch.ones(shape, device=device, dtype=torch.bfloat16)
         elif n.endswith("e_score_correction_bias"):
@@ -114,7 +114,7 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
     from megatron_rz.learner.parallel_check import reinforce_loss
 
     _, _, batch, seq, mbs = CONFIGS[name]
-    r = _recipe(name, mode)
+    r = bench_recipe(name, mode)
     t0 = time.perf_counter()
     learner = Learner(r.model, r.parallel, r.algo, random_hf_weights(r.model), seed=0, mode=mode)
     build_s = time.perf_counter() - t0

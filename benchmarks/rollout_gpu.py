@@ -63,7 +63,7 @@ COMMON = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4
               torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, attention_bias=False)
 
 
-def _shapes(c: dict) -> dict:
+def param_shapes(c: dict) -> dict:
     H, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     s = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
     for i in range(L):
@@ -123,7 +123,7 @@ def make_ckpt(name: str, out: str, seed: int = 0) -> dict:
     os.makedirs(out, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     sd = {}
-    for n, shape in _shapes(c).items():
+    for n, shape in param_shapes(c).items():
         if n.endswith("norm.weight") or "layernorm" in n:
             t = torch.ones(shape, device="cuda", dtype=torch.bfloat16)
         elif n.endswith("e_score_correction_bias"):

@@ -66,7 +66,7 @@ def _copy_reference(nbytes: int, rounds: int) -> dict:
 def main(argv=None) -> int:
     import torch
 
-    from learner_gpu import CONFIGS, _recipe, random_hf_weights
+    from learner_gpu import CONFIGS, bench_recipe, random_hf_weights
     from megatron_rz.learner.learner import Learner
     from megatron_rz.loop.weights import hf_buckets
     from vllm_bridge.engine import RolloutEngine
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
 
-    r = _recipe(a.config, "aligned")
+    r = bench_recipe(a.config, "aligned")
     sd = random_hf_weights(r.model)
     learner = Learner(r.model, r.parallel, r.algo, sd, seed=0, mode="aligned")
     ckpt = Path(tempfile.mkdtemp(prefix="rz_sync_ckpt_"))
