@@ -16,8 +16,11 @@ functions. Differences to keep in mind on CUDA:
 * MoE: ``moe_experts`` runs the grouped Triton kernels (gate/up one K segment, down
   ``ROW_PARALLEL_K_SEGMENTS``, 8, the row-parallel contract of docs/tp.md): bitwise the per-expert
   ``expert_mlp`` of this module.
-* Gradients: every Triton forward is paired with the autograd of the plain-torch reference
-  (``_common.with_reference_grad``): correct to rounding, not invariant.
+* Gradients: correct to rounding, not invariant. RMSNorm, RoPE, SwiGLU, the MoE combine and the
+  token log-probs have closed-form backwards (kernels/grads.py); the linears have their backward
+  GEMMs (``kernels.triton.gemm.LinearGrad``), attention FlashAttention's (``_CausalAttention``), the
+  grouped MoE grouped GEMMs (kernels/moe_grad.py); the rest (single-sequence ``attention``) the
+  autograd of the plain-torch reference (``_common.with_reference_grad``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from . import attn as _attn
 from . import fp8 as _fp8
 from . import gemm as _gemm
+from . import grads as _grads
 from . import logprobs as _lp
 from . import moe as _moe
 from . import norm as _norm
@@ -68,6 +72,10 @@ def use_triton(*tensors: Optional[torch.Tensor]) -> bool:
         return False
     t = next((t for t in tensors if t is not None), None)
     return t is not None and t.is_cuda and _triton_ok()
+
+
+def _needs_grad(*ts: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def _same_float(*ts: Optional[torch.Tensor]) -> bool:
@@ -120,17 +128,10 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
         return _norm.rms_norm(x, weight, eps)
     from .triton.rmsnorm import rms_norm as trms
 
-    return with_reference_grad(lambda x_, w_: trms(x_, w_, eps), lambda x_, w_: _rms_norm_grad_ref(x_, w_, eps),
-                               x, weight)
-
-
-def _rms_norm_grad_ref(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """The function whose autograd is rms_norm's backward on the GPU: the reference's formula with
-    torch's own mean (one reduction kernel) instead of the reference's fixed pairwise tree (one launch
-    per tree level, forward and backward). The values the loss sees are the Triton kernel's."""
-    x32 = x.to(torch.float32)
-    y = (x32 * torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else (y.to(torch.float32) * weight.to(torch.float32)).to(x.dtype)
+    if not _needs_grad(x, weight):
+        with torch.no_grad():
+            return trms(x, weight, eps)
+    return _grads.rms_norm(lambda x_, w_: trms(x_, w_, eps), x, weight, eps)
 
 
 # --------------------------------------------------------------------------------------- RoPE
@@ -141,8 +142,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
         return _rope.apply_rope(x, cos, sin, style)
     from .triton.rope import apply_rope as trope
 
-    return with_reference_grad(lambda x_: trope(x_, cos, sin, style),
-                               lambda x_: _rope.apply_rope(x_, cos, sin, style), x)
+    if not _needs_grad(x):
+        with torch.no_grad():
+            return trope(x, cos, sin, style)
+    return _grads.apply_rope(lambda x_, c_, s_: trope(x_, c_, s_, style), x, cos, sin)
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -316,7 +319,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _moe.swiglu(gate, up)
     from .triton.moe import swiglu as tswiglu
 
-    return with_reference_grad(tswiglu, _moe.swiglu, gate, up)
+    if not _needs_grad(gate, up):
+        with torch.no_grad():
+            return tswiglu(gate, up)
+    return _grads.swiglu(tswiglu, gate, up)
 
 
 def expert_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -345,10 +351,10 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
     def fwd(y_, w_, *s_):
         return tcombine(y_, w_, list(s_) if s_ else None, out_dtype=out_dtype)
 
-    def ref(y_, w_, *s_):
-        return _moe.moe_combine(y_, w_, list(s_) if s_ else None, out_dtype=out_dtype)
-
-    return with_reference_grad(fwd, ref, expert_out, topk_weights, *shared)
+    if not _needs_grad(expert_out, topk_weights, *shared):
+        with torch.no_grad():
+            return fwd(expert_out, topk_weights, *shared)
+    return _grads.moe_combine(fwd, expert_out, topk_weights, shared)
 
 
 def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -401,8 +407,10 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
         return _lp.logprobs_from_logits(logits, targets, temperature)
     from .triton.logprobs import logprobs_from_logits as tlp
 
-    return with_reference_grad(lambda l_: tlp(l_, targets, temperature),
-                               lambda l_: _lp.logprobs_from_logits(l_, targets, temperature), logits)
+    if not _needs_grad(logits):
+        with torch.no_grad():
+            return tlp(logits, targets, temperature)
+    return _grads.logprobs_from_logits(lambda l_: tlp(l_, targets, temperature), logits, targets, temperature)
 
 
 def row_temperature_supported(logits: torch.Tensor) -> bool:

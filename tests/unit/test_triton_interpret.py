@@ -118,3 +118,63 @@ def test_launch_plans_in_the_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "interpreted kernels OK" in r.stdout
+
+
+CHILD_GRADS = r'''
+import torch
+from kernels import grads, logprobs as LP, moe as MO, norm as NO, rope as RO
+from kernels.triton import logprobs as TL, moe as TM, rmsnorm as TN, rope as TR
+
+torch.manual_seed(0)
+
+
+def both(op, ref, inputs, tol=1e-5):
+    """op's forward == the Triton kernel called without autograd; its gradients == autograd of ref."""
+    a = [t.clone().requires_grad_(True) for t in inputs]
+    b = [t.clone().requires_grad_(True) for t in inputs]
+    out, want = op(*a), ref(*b)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want.backward(g)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=tol, atol=tol)
+    return out
+
+
+x, w = torch.randn(5, 64) * 2, torch.randn(64) + 1
+o = both(lambda x_, w_: grads.rms_norm(lambda p, q: TN.rms_norm(p, q, 1e-6), x_, w_, 1e-6),
+         lambda x_, w_: NO.rms_norm(x_, w_, 1e-6), [x, w])
+assert torch.equal(o, TN.rms_norm(x, w, 1e-6))
+q = torch.randn(6, 4, 32)
+ang = torch.arange(6.0)[:, None] * torch.linspace(0.1, 1.0, 8)
+cos, sin = ang.cos(), ang.sin()
+for style in ("neox", "interleaved"):  # rotary dims 16 of 32: the rest passes through
+    o = both(lambda q_: grads.apply_rope(lambda p, c, s: TR.apply_rope(p, c, s, style), q_, cos, sin),
+             lambda q_: RO.apply_rope(q_, cos, sin, style), [q])
+    assert torch.equal(o, TR.apply_rope(q, cos, sin, style))
+a, b = torch.randn(7, 48) * 3, torch.randn(7, 48)
+o = both(lambda a_, b_: grads.swiglu(TM.swiglu, a_, b_), MO.swiglu, [a, b])
+assert torch.equal(o, TM.swiglu(a, b))
+y, wt, s = torch.randn(5, 4, 24), torch.softmax(torch.randn(5, 4), -1), torch.randn(5, 24)
+o = both(lambda y_, w_, s_: grads.moe_combine(lambda p, r, *t: TM.moe_combine(p, r, list(t)), y_, w_, [s_]),
+         lambda y_, w_, s_: MO.moe_combine(y_, w_, [s_]), [y, wt, s])
+assert torch.equal(o, TM.moe_combine(y, wt, [s]))
+lg, tg = torch.randn(6, 300) * 3, torch.randint(0, 300, (6,))
+for t in (1.0, 0.7):
+    o = both(lambda l_: grads.logprobs_from_logits(lambda p: TL.logprobs_from_logits(p, tg, t), l_, tg, t),
+             lambda l_: LP.logprobs_from_logits(l_, tg, t), [lg])
+    assert torch.equal(o, TL.logprobs_from_logits(lg, tg, t))
+print("interpreted grads OK")
+'''
+
+
+def test_triton_forwards_with_the_closed_form_backwards_in_the_interpreter():
+    """The GPU path of kernels.rms_norm / apply_rope / swiglu / moe_combine / logprobs_from_logits:
+    each Triton forward (interpreted) wired to its kernels/grads.py backward, against autograd of the
+    CPU reference."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CHILD_GRADS], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "interpreted grads OK" in r.stdout
