@@ -338,6 +338,7 @@ class WeightSyncExtension:
         self._rz_staged = []
         names = [n for b in staged for n in b]
         t0 = time.perf_counter()
+        path = None
         if reload and names:
             device = getattr(self, "device", torch.device("cpu"))
 
@@ -346,16 +347,27 @@ class WeightSyncExtension:
                     for name, t in bucket.items():
                         yield name, t.to(device)
 
+            model = self.model_runner.get_model()
+            path = "in_place" if getattr(model, "RZ_LOADS_IN_PLACE", False) else "layerwise"
+            if path == "in_place":
+                # An aligned class: its load_weights copies each tensor into its parameter's storage
+                # (default_weight_loader), packs stay views, no weight processing to re-run. What
+                # vLLM's reload does with is_checkpoint_format=False (param.copy_ by name), but
+                # through the class's loader, which also takes this rank's TP block. vLLM's
+                # layerwise reload (below) would stage every layer in new tensors and copy back.
+                with torch.no_grad():
+                    model.load_weights(weights())
             # Worker.reload_weights -> vllm.model_executor.model_loader.reload.reload_weights:
             # layerwise in-place reload (keeps parameter storage, re-runs weight processing).
             # The vLLM 0.32 CPU MoE prepack bug on reload is fixed by vllm_bridge.vllm_patches.
-            if getattr(self, "_rz_stock", None) is not None:  # a stock class whose layout was asked
+            elif getattr(self, "_rz_stock", None) is not None:  # a stock class whose layout was asked
                 with self._rz_capture_loaded():
                     self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
             else:
                 self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         self._rz_version = int(version)
-        return {"num_tensors": len(names), "reload_s": time.perf_counter() - t0, "reloaded": bool(reload)}
+        return {"num_tensors": len(names), "reload_s": time.perf_counter() - t0, "reloaded": bool(reload),
+                "path": path}
 
     def rz_weight_version(self) -> int:
         return int(getattr(self, "_rz_version", 0))
@@ -570,6 +582,11 @@ class WeightSyncExtension:
         self._rz_staged_list().append(bucket)
         return {"rank": me["rank"], "files": len(files), "file_bytes": sum(f.stat().st_size for f in files),
                 "bytes": sum(t.numel() * t.element_size() for t in parts.values()), "num_tensors": len(bucket)}
+
+    def rz_storage_ptrs(self) -> dict[str, int]:
+        """Each parameter's storage address: equal before and after a sync when it loaded in place
+        (what the engine's captured CUDA graphs need)."""
+        return {n: p.data_ptr() for n, p in self.model_runner.get_model().named_parameters()}
 
     def rz_param_shapes(self) -> dict[str, list[int]]:
         """{parameter name: shape} of this worker's model (a tensor-parallel worker's shards)."""

@@ -265,10 +265,13 @@ def test_reload_weights_in_place(aligned):
     g = torch.Generator().manual_seed(11)
     new_sd = {k: (v + 0.05 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=g)).contiguous()
               for k, v in aligned["sd"].items()}
+    ptrs = llm.collective_rpc("rz_storage_ptrs")[0]
     llm.collective_rpc("rz_stage_weights", args=(save(new_sd),))
     info = llm.collective_rpc("rz_commit_weights", args=(1,))[0]
     llm.reset_prefix_cache()
     assert info["num_tensors"] == len(new_sd)
+    assert info["path"] == "in_place"  # the aligned class's own loader, not vLLM's layerwise reload
+    assert llm.collective_rpc("rz_storage_ptrs")[0] == ptrs  # every parameter kept its storage
 
     first = "model.layers.1.self_attn.q_proj.bias" if aligned["arch"] == "qwen2" else "model.layers.1.mlp.gate.weight"
     names = [first, "model.norm.weight", "model.embed_tokens.weight"]

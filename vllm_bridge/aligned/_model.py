@@ -241,6 +241,10 @@ class RZAlignedForCausalLM(nn.Module):
     """Base class; subclasses set ``ARCH`` (the family's recipe name, whose registry entry in
     kernels.families names the subclass) and build their attention modules."""
 
+    # load_weights copies each tensor into its parameter in place and nothing is processed after
+    # loading: the worker commits a sync through it directly (worker_ext.rz_commit_weights)
+    RZ_LOADS_IN_PLACE = True
+
     ARCH = ""
     # vLLM's SupportsPP interface (module docstring "Pipeline parallelism"): forward takes and
     # returns IntermediateTensors between stages, make_empty_intermediate_tensors below.

@@ -71,6 +71,9 @@ _EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
 
 
 class RZAlignedDeepseekV4ForCausalLM(nn.Module):
+    # load_weights copies in place, nothing processed after loading: syncs commit through it directly
+    # (worker_ext.rz_commit_weights)
+    RZ_LOADS_IN_PLACE = True
     CACHE_HEAD = 128
     # Sharded over vLLM's tensor-parallel group (module docstring); False: every worker whole.
     TP_SHARDED = True
