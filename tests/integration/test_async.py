@@ -366,7 +366,7 @@ def test_async_trainer_on_two_vllm_servers(tmp_path, base_model, async_run):
     _prep(run_dir, base_model)
     local_dir, _, mode = async_run
     over = ("schedule.steps=3", "schedule.max_lag=2", f"mode={mode}", "rollout.where=servers", "rollout.num_engines=2",
-            "rollout.server_wait_s=240")
+            "rollout.server_wait_s=480")  # two engines starting beside two other test workers: 240 s was once short
     servers = _start_servers(run_dir, ["nodeA", "nodeB"], tmp_path, *over)
     try:
         out = subprocess.run(_cmd(run_dir, *over), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
