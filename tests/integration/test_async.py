@@ -391,12 +391,13 @@ def test_async_trainer_on_two_vllm_servers(tmp_path, base_model, async_run):
 def test_lost_vllm_server_fails_async_learner_naming_it(tmp_path, base_model):
     run_dir = tmp_path / "run"
     _prep(run_dir, base_model)
-    over = ("schedule.steps=500", "schedule.max_lag=1", "rollout.where=servers", "rollout.server_wait_s=240")
+    # a loaded 2-core box: one server start took more than 240 s in a fresh-clone run
+    over = ("schedule.steps=500", "schedule.max_lag=1", "rollout.where=servers", "rollout.server_wait_s=480")
     (server,) = _start_servers(run_dir, ["nodeC"], tmp_path, *over)
     try:
         proc = subprocess.Popen(_cmd(run_dir, *over), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=_env(), cwd=ROOT, start_new_session=True)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.5)
         time.sleep(2.0)  # training under way
