@@ -49,6 +49,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,7 +332,7 @@ def sweep_report(root: Path, out: Path, plots: bool = True) -> dict:
     stable = [lr for lr, r in runs.items() if r["stable"]]
     chosen = max(stable) if stable else None
     pending = [lr for lr, r in runs.items() if r["status"] == "incomplete" and (chosen is None or lr > chosen)]
-    res = {"sweep": meta, "root": str(root),
+    res = {"sweep": meta,
            "criterion": {"kl_k1_growth_max": KL_GROWTH_MAX, "reward_drop_max": REWARD_DROP_MAX, "updates": steps},
            "lrs": {f"{lr:g}": r for lr, r in runs.items()},
            "chosen_lr": chosen, "provisional": bool(pending),
@@ -378,8 +379,8 @@ def _check_sweep_out(out: Path, root: Path, meta: dict) -> None:
     if out.exists() and any(out.iterdir()):
         rep = out / "report.json"
         old = json.loads(rep.read_text()) if rep.is_file() else {}
-        if old.get("root") != str(root) or {k: old.get("sweep", {}).get(k) for k in SWEEP_KEYS} != {
-                k: meta.get(k) for k in SWEEP_KEYS}:
+        # the sweep's id (made with its sweep.json), not its root's path: a report names no machine path
+        if {k: old.get("sweep", {}).get(k) for k in (*SWEEP_KEYS, "id")} != {k: meta.get(k) for k in (*SWEEP_KEYS, "id")}:
             raise SystemExit(f"stability: --out {out} holds other files or another experiment's report; give a new "
                              "directory")
 
@@ -399,13 +400,16 @@ def sweep(root: Path, out: Path, recipe: str, lrs: list[float], steps: int, lag:
             raise SystemExit(f"stability: {root} holds a sweep with {({k: old.get(k) for k in SWEEP_KEYS})}; continue "
                              "it with the same recipe/overrides/--steps/--lag or give another --root")
         lrs = sorted(set(old["lrs"]) | set(lrs))
+        sweep_id = old.get("id")
+    else:
+        sweep_id = uuid.uuid4().hex
     ef = root / "experiment.json"  # `run`'s legs in the same root: the base model must be theirs
     if ef.is_file():
         old = json.loads(ef.read_text())
         if (old.get("recipe"), old.get("overrides")) != (recipe, ov):
             raise SystemExit(f"stability: {root}/base_model belongs to an experiment with recipe/overrides "
                              f"{old.get('recipe')} {old.get('overrides')}; use the same ones or another --root")
-    meta["lrs"] = lrs
+    meta["lrs"], meta["id"] = lrs, sweep_id
     _check_sweep_out(out, root, meta)  # before any run starts
     mf.write_text(json.dumps(meta, indent=1))
     log = root / "stability.log"

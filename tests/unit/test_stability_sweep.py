@@ -56,6 +56,10 @@ def test_verdicts_and_chosen_lr(tmp_path):
     assert gzip.decompress((out / "lr0.0004.metrics.jsonl.gz").read_bytes()).count(b"\n") == STEPS + 2
     # the same sweep's report is rewritten; another sweep's, or other files, never
     stability.sweep_report(root, out, plots=False)
+    # a sweep of the same settings in another root (its own id): refused too
+    (root / "sweep.json").write_text(json.dumps({**META, "lrs": [5e-5, 1e-4, 2e-4, 4e-4, 8e-4], "id": "another"}))
+    with pytest.raises(SystemExit, match="another experiment"):
+        stability.sweep_report(root, out, plots=False)
     (root / "sweep.json").write_text(json.dumps({**META, "steps": 10, "lrs": [5e-5]}))
     with pytest.raises(SystemExit, match="another experiment"):
         stability.sweep_report(root, out, plots=False)
