@@ -211,6 +211,7 @@ def stock_deepseek_v4_cpu_refusal() -> str | None:
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
+    # the test vLLM's import_kernels makes (torch's ISA probes) to pick the build it loads
     if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
         return None
     return ("mode=fast on DeepSeek-V4: vLLM 0.32's own DeepSeek-V4 CPU kernels are only in its AVX-512 BF16 "

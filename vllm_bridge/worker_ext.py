@@ -7,10 +7,11 @@ in the worker process (``self`` is the Worker) and are called from the driver wi
 Transport: tensors cannot be pickled as RPC arguments (vLLM 0.32's serializer rejects memoryview),
 so each bucket travels either as safetensors bytes or as the path of a safetensors file written
 by the driver. Buckets are *staged* (kept in worker memory) and applied together by
-``rz_commit_weights`` with one ``Worker.reload_weights(weights_iterator=...)`` call: vLLM's
-layerwise reload processes a layer only when all of its parameters arrived, and a layer whose
-weights are split over two reload calls would be materialised half-empty, so never reload per
-bucket.
+``rz_commit_weights``: for an aligned class (``RZ_LOADS_IN_PLACE``) one call of its own in-place
+``load_weights``; for a stock class one ``Worker.reload_weights(weights_iterator=...)`` call:
+vLLM's layerwise reload processes a layer only when all of its parameters arrived, and a layer
+whose weights are split over two reload calls would be materialised half-empty, so never reload
+per bucket.
 """
 
 from __future__ import annotations

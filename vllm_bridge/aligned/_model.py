@@ -3,9 +3,9 @@
 The module tree mirrors the Hugging Face checkpoint names exactly (``model.layers.3.mlp.experts.5.
 gate_proj.weight`` is a parameter of that name), every weight a plain unpacked Parameter in the model
 dtype, so weights can be read back (``named_parameters``), loaded with vLLM's
-``default_weight_loader`` at start-up and reloaded in place through ``Worker.reload_weights``
-(vLLM's layerwise reload wraps each parameter's ``weight_loader``; ``load_weights`` below goes
-through it).
+``default_weight_loader`` at start-up and reloaded in place by a weight sync: the worker calls
+``load_weights`` below directly (``RZ_LOADS_IN_PLACE``; worker_ext.rz_commit_weights), which copies
+each tensor into its parameter's storage, so the captured CUDA graphs keep their addresses.
 
 All numerics are the per-layer functions of :mod:`kernels.models.qwen3_dsv3` (the same code the
 full-sequence reference runs); only the attention core differs: q/k/v go through a vLLM

@@ -270,6 +270,7 @@ class RZAlignedKimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
     # load_weights copies in place, nothing processed after loading: syncs commit through it directly
     # (worker_ext.rz_commit_weights)
     RZ_LOADS_IN_PLACE = True
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         hf = vllm_config.model_config.hf_config
