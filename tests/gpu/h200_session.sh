@@ -8,6 +8,8 @@
 # Stages:
 #   ckpt   random bf16 checkpoints for the engine benchmarks (/root/ckpt/<config>, CKPT_CONFIGS: default
 #          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
+#   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
+#   learner  the learner's train step aligned vs fast (benchmarks/learner_gpu.py; LEARNER_CONFIGS, LEARNER_PROFILE=1)
 #   sampler  the sampler's host / GPU cost per call, stock vs aligned, fused epilogue on and off
 #          (benchmarks/sampler_host.py)
 #   tests  tests/gpu/test_aligned_cuda_engine.py (aligned CUDA engine: batch invariance, decode ==
@@ -171,6 +173,19 @@ PYEOF
         ${BENCH_CELLS:+--cells $BENCH_CELLS} > "$d/bench_rl.log" 2>&1
       echo "rc=$? bench_rl" >> "$d/summary.txt"
       grep -E "^\{|summary|engine up|failed|Traceback|Error" "$d/bench_rl.log" | tail -60 | tee -a "$d/summary.txt" ;;
+    sync)
+      # colocated weight sync (learner + aligned engine on one GPU), every parameter verified
+      "$PY" benchmarks/sync_gpu.py --out "$d/sync_gpu.json" --transports ${SYNC_TRANSPORTS:-ipc,inprocess} \
+        --rounds ${SYNC_ROUNDS:-3} > "$d/sync_gpu.log" 2>&1
+      echo "rc=$? sync" >> "$d/summary.txt"
+      grep -E "^\[sync\]|^\{|Traceback|Error" "$d/sync_gpu.log" | tail -20 | tee -a "$d/summary.txt" ;;
+    learner)
+      # the learner's train step, aligned vs fast, each alone in its own process
+      "$PY" benchmarks/learner_gpu.py bench --out "$d/learner_gpu.json" --configs ${LEARNER_CONFIGS:-gpu_moe,qwen2_1p5b} \
+        --rounds ${LEARNER_ROUNDS:-2} --budget-s ${LEARNER_BUDGET_S:-420} ${LEARNER_PROFILE:+--profile-dir $d/prof} \
+        > "$d/learner_gpu.log" 2>&1
+      echo "rc=$? learner" >> "$d/summary.txt"
+      grep -vE "^(INFO|WARNING|\(EngineCore)" "$d/learner_gpu.log" | tail -30 | tee -a "$d/summary.txt" ;;
     sampler)
       "$PY" benchmarks/sampler_host.py --out "$d/sampler_host.json" > "$d/sampler_host.log" 2>&1
       echo "rc=$? sampler" >> "$d/summary.txt"

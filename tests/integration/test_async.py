@@ -257,8 +257,13 @@ def test_rollout_engine_death_is_restarted_then_killing_rollout_process_fails_le
     train = lambda: [r for r in _rows(run_dir) if "lag_max" in r]  # noqa: E731
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(train()) < 2:
-            time.sleep(0.2)  # training under way: weights past version 0 applied
+        # Wait for a batch sampled wholly past version 0 (its oldest token's version, the learner's
+        # version before the update minus lag_max, >= 1): then the rollout process has applied newer
+        # weights. Two rows alone do not show it at max_lag 1 (both may be version-0 samples).
+        applied = lambda: any(r["weight_version"] - 1 - r["lag_max"] >= 1 for r in train())  # noqa: E731
+        while time.monotonic() < deadline and not applied():
+            time.sleep(0.2)
+        assert applied(), train()[-2:]
         os.kill(pids[1], signal.SIGKILL)  # the engine core
         lines, m = [], None
         while time.monotonic() < deadline and m is None:
