@@ -43,13 +43,13 @@ demo: install
 # start-up and collectives: with two workers a 2-core box was busy 60% of the time (CPU 52 min over
 # 43 min of wall time), so three; OMP_WAIT_POLICY=PASSIVE makes idle OpenMP threads sleep instead
 # of spinning, which otherwise thrashes when the workers' processes share the cores (see
-# DEMO_ENV). TEST_WORKERS=0 runs them in one process. xdist's default file order is kept: with
-# --no-loadscope-reorder (LONG_FIRST's order) the heaviest integration files ran side by side from the
-# start and the CI run took 55 min (pytest 3289 s) against 34 min for the last landing before it.
+# DEMO_ENV). TEST_WORKERS=0 runs them in one process. --no-loadscope-reorder keeps the collection
+# order (tests/conftest.py LONG_FIRST: the files that take minutes first): by default xdist re-sorts
+# files by their number of tests, which started the long integration files (few tests each) last.
 TEST_WORKERS ?= 3
 test: install
 	@t0=$$(date +%s); OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=80 tests; rc=$$?; \
+	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=80 tests; rc=$$?; \
 	echo "make test: pytest took $$(( $$(date +%s) - t0 )) s (exit $$rc)"; exit $$rc
 
 clean:
