@@ -87,12 +87,17 @@ def _piece_stats_kernel(logits_ptr, stats_ptr, V, stride_row, n_pieces, temperat
         z = tl.math.div_rn(z, temperature)
         m_vec = tl.maximum(m_vec, z)
     m = tl.max(m_vec, axis=0)
+    # A piece whose columns are all -inf (masked logits, e.g. top-k over a large vocabulary) has
+    # m = -inf: exp(z - m) would be exp(nan) and make the whole row nan. Subtracting 0 instead gives
+    # s = 0 (and the merge's s_p * exp(m_p - M) is then 0); any piece with a finite max keeps m, so
+    # its bits are unchanged.
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
     s_vec = tl.zeros((BLOCK,), tl.float32)
     for c in range(start, start + PIECE, BLOCK):
         cols = c + offs
         z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         z = tl.math.div_rn(z, temperature)
-        e = _exp(z - m)
+        e = _exp(z - m_sub)
         s_vec = s_vec + tl.where(cols < V, e, 0.0)
     s = tl.sum(s_vec, axis=0)
     out = stats_ptr + (row * n_pieces + p) * 2

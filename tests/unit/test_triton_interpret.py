@@ -164,6 +164,20 @@ for t in (1.0, 0.7):
     o = both(lambda l_: grads.logprobs_from_logits(lambda p: TL.logprobs_from_logits(p, tg, t), l_, tg, t),
              lambda l_: LP.logprobs_from_logits(l_, tg, t), [lg])
     assert torch.equal(o, TL.logprobs_from_logits(lg, tg, t))
+# a row of 3 pieces whose middle piece is all -inf (masked logits over a large vocabulary): finite,
+# torch's values to fp32 rounding; a row with no -inf keeps the same bits in either kernel
+V = 2 * TL.PIECE + 300
+big = torch.randn(3, V) * 2
+big[0, TL.PIECE:2 * TL.PIECE] = float("-inf")
+big[1, :V - 5] = float("-inf")  # one finite column per row left in the last piece only
+lsm = TL.log_softmax(big)
+ref = torch.log_softmax(big.double(), -1)
+fin = torch.isfinite(ref)
+assert torch.equal(torch.isfinite(lsm), fin)
+assert (lsm[fin].double() - ref[fin]).abs().max() < 1e-5
+tgt = torch.tensor([5, V - 1, 7])
+assert torch.equal(TL.logprobs_from_logits(big, tgt), lsm[torch.arange(3), tgt])
+assert torch.equal(TL.log_softmax(big[2:]), lsm[2:])
 print("interpreted grads OK")
 '''
 
@@ -171,7 +185,7 @@ print("interpreted grads OK")
 def test_triton_forwards_with_the_closed_form_backwards_in_the_interpreter():
     """The GPU path of kernels.rms_norm / apply_rope / swiglu / moe_combine / logprobs_from_logits:
     each Triton forward (interpreted) wired to its kernels/grads.py backward, against autograd of the
-    CPU reference."""
+    CPU reference. Also: the log-softmax of a row with an all -inf piece of the vocabulary is finite."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD_GRADS], env=env, cwd=ROOT, capture_output=True, text=True,
