@@ -9,32 +9,36 @@ import pytest
 # Test files that take minutes (make test's --durations on the 2-core CI box), longest first. They
 # are collected first, so pytest-xdist's loadfile scheduler hands them out before the short files
 # (longest-processing-time-first): no long file starts last and runs alone at the end.
-LONG_FIRST = (  # seconds of test time per file in a fresh-clone run on the 2-core AVX2 box, 2026-12-04
-    "integration/test_async.py",  # 1142
-    "integration/test_check.py",  # 915
-    "integration/test_train_e2e.py",  # 759
-    "integration/test_dsv4_aligned.py",  # 520
-    "integration/test_resume.py",  # 453
-    "integration/test_learner.py",  # 440
-    "integration/test_verify_sync.py",  # 389
-    "integration/test_remote_rollout.py",  # 373
-    "slurm/test_slurm_jobs.py",  # 346
-    "integration/test_fp8_models.py",  # 332
-    "integration/test_aligned_learner.py",  # 323
-    "integration/test_aligned_vllm.py",  # 313
-    "integration/test_dsv4_fp8.py",  # 280
-    "integration/test_kimi_k3_learner.py",  # 254
-    "integration/test_aligned_vllm_tp.py",  # 236
-    "integration/test_pretrained.py",  # 208
-    "integration/test_ckpt_layout.py",  # 199
-    "integration/test_rollout.py",  # 160
-    "integration/test_reshard.py",  # 156
-    "integration/test_tasks_e2e.py",  # 147
-    "integration/test_aligned_vllm_tp_dsv4.py",  # 130
-    "integration/test_aligned_vllm_tp_fp8.py",  # 128
-    "integration/test_agentic_e2e.py",  # 126
-    "integration/test_fp8_dsv3_learner_tp.py",  # 104
-    "integration/test_aligned_vllm_pp.py",  # 104
+LONG_FIRST = (  # seconds of test time per file (the 80 slowest phases), make test on the 2-core AVX-512 box, 2026-12-06
+    "integration/test_check.py",  # 679
+    "integration/test_async.py",  # 604
+    "integration/test_train_e2e.py",  # 552
+    "slurm/test_slurm_jobs.py",  # 542 (before its requeue test went from 20 updates to 8)
+    "integration/test_dsv4_aligned.py",  # 355
+    "integration/test_resume.py",  # 310
+    "integration/test_remote_rollout.py",  # 306
+    "integration/test_fp8_models.py",  # 231
+    "integration/test_kimi_k3_learner.py",  # 223
+    "integration/test_learner.py",  # 193
+    "integration/test_ckpt_layout.py",  # 176
+    "integration/test_verify_sync.py",  # 165
+    "integration/test_aligned_vllm_tp.py",  # 146
+    "integration/test_aligned_learner.py",  # 133
+    "integration/test_reshard.py",  # 124
+    "integration/test_pretrained.py",  # 121
+    "integration/test_aligned_vllm.py",  # 113
+    "integration/test_tasks_e2e.py",  # 111
+    "integration/test_rollout.py",  # 111
+    "integration/test_aligned_vllm_tp_fp8.py",  # 106
+    "integration/test_reliability_dead_engine.py",  # 105
+    "integration/test_agentic_e2e.py",  # 103
+    "integration/test_dsv4_fp8.py",  # 79
+    "integration/test_dsv4_fast.py",  # 78
+    "integration/test_fp8_dsv3_learner_tp.py",  # 71
+    "integration/test_aligned_vllm_tp_dsv4.py",  # 67
+    "integration/test_aligned_vllm_dsv41.py",  # 60
+    "integration/test_aligned_vllm_tp_dsv3.py",  # 49
+    "integration/test_aligned_vllm_pp.py",  # 49
 )
 
 

@@ -115,7 +115,7 @@ def test_tiny_recipe_runs_as_heterogeneous_job(local_slurm, tmp_path):
 
 
 def test_warning_signal_checkpoints_requeues_and_resumes(local_slurm, tmp_path):
-    steps = 20
+    steps = 8  # the warning comes after update 1, the checkpoint at the end of the update under way
     job, run_dir, log = _submit(tmp_path, f"schedule.steps={steps}", "schedule.max_lag=1")
     _wait(lambda: len(_train_rows(run_dir)) >= 1, "the first update", log, 480)
     # What SLURM does before the time limit (--signal=B:USR1@secs): USR1 to the batch script only.
