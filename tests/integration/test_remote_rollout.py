@@ -83,7 +83,9 @@ def setup(tmp_path_factory):
             assert time.monotonic() < deadline, "servers not ready in 480 s"
             time.sleep(1)
         startup_s = time.perf_counter() - t0
-        client = connect(run_dir, expected=2, wait_s=10, health_every_s=1.0, dead_after_s=10.0)
+        # dead_after_s: the recipe default (rollout.server_dead_after_s). 10 s named a live server dead
+        # in a fresh-clone CI rehearsal (three tests, 2 cores at load ~14: its /health went unanswered)
+        client = connect(run_dir, expected=2, wait_s=10, health_every_s=1.0, dead_after_s=30.0)
         yield dict(ckpt=ckpt, run_dir=run_dir, key=key, procs=procs, logs=logs, engine=engine, client=client,
                    startup_s=startup_s)
     finally:

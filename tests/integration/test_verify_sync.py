@@ -321,7 +321,7 @@ def test_flips_through_a_vllm_server(setup):
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
-        client = connect(run_dir, expected=1, wait_s=600, health_every_s=1.0, dead_after_s=10.0)
+        client = connect(run_dir, expected=1, wait_s=600, health_every_s=1.0, dead_after_s=30.0)
         fs = FilesystemTransport(run_dir / "rollout" / "weights")
         layout = SyncCheck.layout_of(client)
         names, t0 = [], time.perf_counter()
