@@ -227,6 +227,27 @@ def test_logprobs_invariance_and_accuracy(V, dtype):
         assert (lp - tref).abs().max().item() < 2e-5
 
 
+def test_log_softmax_of_top_k_masked_rows_is_finite_on_a_large_vocabulary():
+    """Top-k masked logits over 151,936 columns (10 pieces, most of them all -inf): the kept
+    columns' log-probabilities are finite, torch's to fp32 rounding, and equal
+    logprobs_from_logits of the same targets; a row alone == the same row in a batch."""
+    _need_cuda()
+    from kernels.triton import log_softmax, logprobs_from_logits
+
+    R, V, k = 64, 151936, 50
+    logits = _randn(R, V, seed=31, dtype=torch.float32) * 4
+    kth = logits.topk(k, dim=-1).values[:, -1:]
+    masked = logits.masked_fill(logits < kth, float("-inf"))
+    lsm = log_softmax(masked)
+    ref = masked.double().log_softmax(-1)
+    keep = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lsm), keep) and int(keep.sum()) == R * k
+    assert (lsm[keep].double() - ref[keep]).abs().max().item() < 2e-5
+    tg = masked.argmax(-1)
+    assert torch.equal(logprobs_from_logits(masked, tg), lsm[torch.arange(R, device="cuda"), tg])
+    assert torch.equal(log_softmax(masked[5:6]), lsm[5:6])
+
+
 def test_token_logprobs_end_to_end_invariance():
     _need_cuda()
     from kernels.triton import token_logprobs
