@@ -8,7 +8,8 @@ the same code, so a wrong index shows here without a GPU.
 * the one-kernel MoE work list == the torch sort / scan work list, value for value;
 * RMSNorm read through the strides of q / k head slices == RMSNorm of their contiguous copies;
 * the batched keyed draw: greedy rows argmax, draws inside a kept set, a keyed row's token the same
-  in any batch, frequencies of softmax(l / T) (chi-square).
+  in any batch, frequencies of softmax(l / T) (chi-square);
+* the log-softmax of rows with all -inf vocabulary pieces (top-k masked logits) is finite.
 """
 
 import os
@@ -164,12 +165,34 @@ for t in (1.0, 0.7):
     o = both(lambda l_: grads.logprobs_from_logits(lambda p: TL.logprobs_from_logits(p, tg, t), l_, tg, t),
              lambda l_: LP.logprobs_from_logits(l_, tg, t), [lg])
     assert torch.equal(o, TL.logprobs_from_logits(lg, tg, t))
-# a row of 3 pieces whose middle piece is all -inf (masked logits over a large vocabulary): finite,
-# torch's values to fp32 rounding; a row with no -inf keeps the same bits in either kernel
+print("interpreted grads OK")
+'''
+
+
+def test_triton_forwards_with_the_closed_form_backwards_in_the_interpreter():
+    """The GPU path of kernels.rms_norm / apply_rope / swiglu / moe_combine / logprobs_from_logits:
+    each Triton forward (interpreted) wired to its kernels/grads.py backward, against autograd of the
+    CPU reference."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CHILD_GRADS], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "interpreted grads OK" in r.stdout
+
+
+CHILD_LSM = r'''
+import torch
+from kernels.triton import logprobs as TL
+
+torch.manual_seed(0)
+# rows of 3 vocabulary pieces with all -inf pieces (masked logits over a large vocabulary): the
+# finite columns' values are finite and torch's to fp32 rounding, -inf stays -inf, log_softmax ==
+# logprobs_from_logits, and a row without -inf gives the same bits alone as in the batch
 V = 2 * TL.PIECE + 300
 big = torch.randn(3, V) * 2
-big[0, TL.PIECE:2 * TL.PIECE] = float("-inf")
-big[1, :V - 5] = float("-inf")  # one finite column per row left in the last piece only
+big[0, TL.PIECE:2 * TL.PIECE] = float("-inf")  # the middle piece
+big[1, :V - 5] = float("-inf")  # the first two pieces, and all but 5 columns of the last
 lsm = TL.log_softmax(big)
 ref = torch.log_softmax(big.double(), -1)
 fin = torch.isfinite(ref)
@@ -178,17 +201,16 @@ assert (lsm[fin].double() - ref[fin]).abs().max() < 1e-5
 tgt = torch.tensor([5, V - 1, 7])
 assert torch.equal(TL.logprobs_from_logits(big, tgt), lsm[torch.arange(3), tgt])
 assert torch.equal(TL.log_softmax(big[2:]), lsm[2:])
-print("interpreted grads OK")
+print("interpreted log-softmax OK")
 '''
 
 
-def test_triton_forwards_with_the_closed_form_backwards_in_the_interpreter():
-    """The GPU path of kernels.rms_norm / apply_rope / swiglu / moe_combine / logprobs_from_logits:
-    each Triton forward (interpreted) wired to its kernels/grads.py backward, against autograd of the
-    CPU reference. Also: the log-softmax of a row with an all -inf piece of the vocabulary is finite."""
+def test_log_softmax_with_all_inf_vocabulary_pieces_in_the_interpreter():
+    """Top-k masked logits over a vocabulary of several 16,384-column pieces: a piece whose logits
+    are all -inf must not turn the row into nan (the GPU log-softmax's piece statistics)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD_GRADS], env=env, cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", CHILD_LSM], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted grads OK" in r.stdout
+    assert "interpreted log-softmax OK" in r.stdout
