@@ -2,13 +2,15 @@
 vLLM's FlashAttention (what stock vLLM runs), on RL decode shapes.
 
     python benchmarks/attn_decode_gpu.py --out attn_decode.json [--shapes 32x2560,64x640,128x768,256x1100]
+        [--heads 16/4,32/4,12/2]
 
-A shape ``BxL``: B sequences of L keys each, one query each (moe1b's heads: 16 query / 4 KV heads of
-128, bf16, 16-slot pages, a shuffled block table). For each shape: microseconds per call (CUDA
-events over ``--iters`` calls after a warm-up) of ``kernels.triton.attn.paged_attention`` at
-``splits`` = 1 (one pass), the default (:func:`decode_splits`) and one program per chunk, and of
-FlashAttention's ``flash_attn_varlen_func`` with a block table; and whether every split gave the
-one-pass kernel's bits (``torch.equal``; the split is a launch plan, never a numerics choice).
+A shape ``BxL``: B sequences of L keys each, one query each (heads ``Hq/Hkv`` of 128, default moe1b's
+16 query / 4 KV heads; bf16, 16-slot pages, a shuffled block table). For each shape: microseconds per
+call (CUDA events over ``--iters`` calls after a warm-up) of ``kernels.triton.attn.paged_attention``
+at ``splits`` = 1 (one pass), the default (:func:`decode_splits`) and one program per chunk, with
+64-row programs and with 32- / 16-row ones (``rows``), and of FlashAttention 3's
+``flash_attn_varlen_func`` with a block table (what stock vLLM runs on Hopper); and whether every
+plan gave the one-pass 64-row kernel's bits (``torch.equal``, per plan in ``equal``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _time(fn, iters: int) -> float:
     return a.elapsed_time(b) * 1000.0 / iters
 
 
-def run(shapes: list[tuple[int, int]], iters: int) -> dict:
+def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]]) -> dict:
     from kernels.triton import attn as A
 
     try:
@@ -54,44 +56,50 @@ def run(shapes: list[tuple[int, int]], iters: int) -> dict:
         flash_attn_varlen_func, fa_err = None, repr(e)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "shapes": []}
-    for B, L in shapes:
-        q, cache, bt, cu, sl = _setup(B, L)
-        D = q.shape[-1]
-        kc, vc = cache[..., :D], cache[..., D:]
-        Hkv = kc.shape[1]
-        nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
-        default = A.decode_splits(B, Hkv, nc, sms)
-        row = {"batch": B, "keys": L, "chunks": nc, "default_splits": default, "us": {}}
-        one = torch.empty_like(q)
-        A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=one, splits=1)
-        same = True
-        for s in sorted({1, max(1, default // 2), default, 2 * default, nc}):
-            s = min(s, nc)
-            o = torch.empty_like(q)
-            f = lambda s=s, o=o: A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=o,  # noqa: E731
-                                                   splits=s)
-            row["us"][f"aligned_splits{s}"] = round(_time(f, iters), 2)
-            same = same and torch.equal(o, one)
-        row["every_split_equals_one_pass"] = same
-        if flash_attn_varlen_func is not None:
-            # vLLM's layout: [num_blocks, PAGE, Hkv, D] (slot-major); the same keys, copied
-            kf = kc.permute(0, 2, 1, 3).contiguous()
-            vf = vc.permute(0, 2, 1, 3).contiguous()
-            try:
-                fa = lambda: flash_attn_varlen_func(q, kf, vf, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=L,  # noqa: E731
-                                                    seqused_k=sl, block_table=bt, softmax_scale=D ** -0.5,
-                                                    causal=True)
-                row["us"]["flash_attn"] = round(_time(fa, iters), 2)
-                row["flash_attn_max_abs_vs_aligned"] = float((fa().float() - one.float()).abs().max())
-            except Exception as e:  # noqa: BLE001
-                row["flash_attn_error"] = repr(e)[:300]
-        else:
-            row["flash_attn_error"] = fa_err[:300]
-        kv_bytes = B * L * Hkv * D * 2 * 2
-        row["kv_GBps_at_best_aligned"] = round(kv_bytes / min(v for k, v in row["us"].items()
-                                                              if k.startswith("aligned")) / 1e3, 1)
-        print(json.dumps(row), flush=True)
-        res["shapes"].append(row)
+    for Hq, Hkv in heads:
+        for B, L in shapes:
+            q, cache, bt, cu, sl = _setup(B, L, Hq=Hq, Hkv=Hkv)
+            D = q.shape[-1]
+            kc, vc = cache[..., :D], cache[..., D:]
+            nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
+            row = {"heads": f"{Hq}/{Hkv}", "batch": B, "keys": L, "chunks": nc, "us": {}, "equal": {}}
+            one = torch.empty_like(q)
+            A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=one, splits=1, rows=64)
+            for rows in (64, 32, 16):
+                tile, _ = A.decode_tile(Hq // Hkv, rows)
+                if tile != rows:
+                    continue
+                default = A.decode_splits(B, Hkv, nc, sms, rows)
+                row[f"default_splits_r{rows}"] = default
+                for s in sorted({1, max(1, default // 2), default, min(nc, 2 * default), nc}):
+                    o = torch.empty_like(q)
+                    f = lambda s=s, o=o, r=rows: A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5,  # noqa: E731
+                                                                   max_q_len=1, out=o, splits=s, rows=r)
+                    key = f"r{rows}_splits{s}"
+                    row["us"][key] = round(_time(f, iters), 2)
+                    row["equal"][key] = bool(torch.equal(o, one))
+            row["every_plan_equals_one_pass"] = all(row["equal"].values())
+            if flash_attn_varlen_func is not None:
+                # vLLM's layout: [num_blocks, PAGE, Hkv, D] (slot-major); the same keys, copied
+                kf = kc.permute(0, 2, 1, 3).contiguous()
+                vf = vc.permute(0, 2, 1, 3).contiguous()
+                for ver in (3, 2):
+                    try:
+                        fa = lambda v=ver: flash_attn_varlen_func(  # noqa: E731
+                            q, kf, vf, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=L, seqused_k=sl,
+                            block_table=bt, softmax_scale=D ** -0.5, causal=True, fa_version=v)
+                        row["us"][f"flash_attn{ver}"] = round(_time(fa, iters), 2)
+                        row[f"flash_attn{ver}_max_abs_vs_aligned"] = float((fa().float() - one.float()).abs().max())
+                        break
+                    except Exception as e:  # noqa: BLE001
+                        row[f"flash_attn{ver}_error"] = repr(e)[:300]
+            else:
+                row["flash_attn_error"] = fa_err[:300]
+            kv_bytes = B * L * Hkv * D * 2 * 2
+            best = min(v for k, v in row["us"].items() if k.startswith("r"))
+            row["kv_GBps_at_best_aligned"] = round(kv_bytes / best / 1e3, 1)
+            print(json.dumps(row), flush=True)
+            res["shapes"].append(row)
     return res
 
 
@@ -100,9 +108,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="32x2560,32x1024,64x640,128x768,256x1100,1x3000")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--heads", default="16/4", help="query / KV heads, comma-separated (e.g. 16/4,32/4,12/2)")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-    res = run(shapes, a.iters)
+    heads = [tuple(int(x) for x in h.split("/")) for h in a.heads.split(",")]
+    res = run(shapes, a.iters, heads)
     json.dump(res, open(a.out, "w"), indent=1)
 
 

@@ -234,6 +234,10 @@ ENGINE_KINDS = {
     # the token's logprob and finiteness flag; same bits), and explicitly without them (the default)
     "aligned_fused": (True, {"RZ_FUSED_SAMPLER": "1"}),
     "aligned_unfused": (True, {"RZ_FUSED_SAMPLER": "0"}),
+    # the aligned class with 16- / 32-row split-KV decode programs (kernels.settings.set_decode_rows:
+    # a launch plan only where the GPU gives the 64-row tile's bits, which the GPU tests check)
+    "aligned_r16": (True, {"RZ_DECODE_ROWS": "16"}),
+    "aligned_r32": (True, {"RZ_DECODE_ROWS": "32"}),
 }
 
 
@@ -372,6 +376,7 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
     settings.set_decode_split(os.environ.get("RZ_DECODE_SPLIT", "1") != "0")
     settings.set_fused_work_list(os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0")
     settings.set_batched_draw(os.environ.get("RZ_BATCHED_DRAW", "1") != "0")
+    settings.set_decode_rows(int(os.environ.get("RZ_DECODE_ROWS", "64")))
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     eng = _engine(ckpt, aligned, mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
     res: dict = {"ckpt": ckpt, "engine": kind, "env": env, "cells": []}

@@ -10,7 +10,8 @@ CUDA sampler's random draw: one keyed Gumbel race for the batch (``kernels.trito
 per-request exponential noise; it changes which token a seed gives (both exact samples), never a
 reported log-probability. ``RZ_FUSED_SAMPLER`` (``0`` | ``1``, default 0) is a launch-plan switch of that
 sampler (speed only, never a bit): fused (``log_softmax`` in two launches, the draw kernel writing
-the sampled token's logprob and the finiteness flag) or the unfused plans.
+the sampled token's logprob and the finiteness flag) or the unfused plans. ``RZ_DECODE_ROWS``
+(``64`` | ``32`` | ``16``, default 64): rows per split-KV decode program (see set_decode_rows).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _decode_split = os.environ.get("RZ_DECODE_SPLIT", "1") != "0"
 _fused_work_list = os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0"
 _batched_draw = os.environ.get("RZ_BATCHED_DRAW", "1") != "0"
 _fused_sampler = os.environ.get("RZ_FUSED_SAMPLER", "0") == "1"  # opt-in: see set_fused_sampler
+_decode_rows = int(os.environ.get("RZ_DECODE_ROWS", "64") or 64)  # opt-in: see set_decode_rows
 
 
 def set_backend(name: str) -> None:
@@ -60,6 +62,23 @@ def set_decode_split(on: bool) -> None:
 
 def decode_split() -> bool:
     return _decode_split
+
+
+def set_decode_rows(rows: int) -> None:
+    """Split-KV paged decode: query rows per program (64, 32 or 16). A decode program holds only
+    the GQA group's heads of one query, so 64 rows (the prefill tile, part of the numerics) waste
+    most of its MMA and softmax work; 32 / 16 rows run 2 / 1 warps, each warp's 16 rows laid out
+    as in the 64-row tile. This is a launch plan only where the GPU's MMA gives the 64-row tile's
+    bits row for row, which ``tests/gpu/test_triton_kernels.py`` checks on the machine; hence
+    opt-in (``RZ_DECODE_ROWS``), default 64."""
+    global _decode_rows
+    if int(rows) not in (16, 32, 64):
+        raise ValueError(f"decode rows {rows!r}: must be 16, 32 or 64")
+    _decode_rows = int(rows)
+
+
+def decode_rows() -> int:
+    return _decode_rows
 
 
 def set_fused_work_list(on: bool) -> None:

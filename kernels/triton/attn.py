@@ -45,8 +45,8 @@ import triton.language as tl
 
 from .. import settings
 
-__all__ = ["attention", "attention_batched", "paged_attention", "paged_kv_write", "decode_splits", "BLOCK_N", "BLOCK_M",
-           "KV_CHUNK"]
+__all__ = ["attention", "attention_batched", "paged_attention", "paged_kv_write", "decode_splits", "decode_tile",
+           "BLOCK_N", "BLOCK_M", "KV_CHUNK"]
 
 BLOCK_N = 64  # KV tile: fixed, part of the numerics contract
 BLOCK_M = 64  # rows (query, head) per program: fixed too (see module docstring)
@@ -441,17 +441,31 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[i]
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, num_chunks: int, sm_count: int) -> int:
+def decode_splits(num_seqs: int, num_kv_heads: int, num_chunks: int, sm_count: int, rows: int = BLOCK_M) -> int:
     """Programs per (sequence, KV head) for a decode batch: enough to give every SM
-    ``SPLIT_PROGRAMS_PER_SM`` programs, at most one per chunk. Free to choose: the split never changes
-    a bit (every chunk's state is computed and merged the same way)."""
-    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, max(1, num_seqs * num_kv_heads))
+    ``SPLIT_PROGRAMS_PER_SM`` programs of 4 warps (``rows`` < 64: as many more as each has fewer
+    warps), at most one per chunk. Free to choose: the split never changes a bit (every chunk's
+    state is computed and merged the same way)."""
+    per_sm = SPLIT_PROGRAMS_PER_SM * (BLOCK_M // rows)
+    want = triton.cdiv(per_sm * sm_count, max(1, num_seqs * num_kv_heads))
     return max(1, min(num_chunks, want))
+
+
+def decode_tile(group: int, rows: Optional[int] = None) -> tuple[int, int]:
+    """(rows per program, warps) of a split-KV decode program for a GQA group of ``group`` heads:
+    ``rows`` (default ``settings.decode_rows()``) raised to hold the group, one warp per 16 rows;
+    64 rows (the prefill tile) when the group needs them."""
+    r = settings.decode_rows() if rows is None else int(rows)
+    r = max(r, 16, triton.next_power_of_2(group))
+    if r >= BLOCK_M:
+        return BLOCK_M, NUM_WARPS
+    return r, r // 16
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_q_len: int,
-                    out: torch.Tensor, num_seqs: Optional[int] = None, splits: Optional[int] = None) -> torch.Tensor:
+                    out: torch.Tensor, num_seqs: Optional[int] = None, splits: Optional[int] = None,
+                    rows: Optional[int] = None) -> torch.Tensor:
     """Causal attention over a paged KV cache, written into ``out[Tq, Hq, Dv]`` (rows of other
     tokens are left untouched).
 
@@ -468,7 +482,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     device data; ``1``: the one-pass kernel) and fold the 256-key chunk states in chunk order in a
     second kernel -- flash-decoding with split points fixed in key positions, so the bits are the
     one-pass kernel's whatever the split (tested). The chunk count comes from the block table's
-    width (host-known), so a captured graph serves every length up to it.
+    width (host-known), so a captured graph serves every length up to it. ``rows``: query rows per
+    split program (:func:`decode_tile`; default ``settings.decode_rows()``, 64): fewer rows run
+    fewer warps on the same per-warp layout, a launch plan only where the GPU gives the 64-row
+    tile's bits (checked on the machine by the GPU tests).
 
     Bitwise :func:`attention` / :func:`attention_batched` on the same keys (same tiles, chunks,
     order): prefill, chunked prefill and decode of a sequence give the bits the learner's
@@ -490,11 +507,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if max_q_len == 1 and G <= BLOCK_M:
         nc = triton.cdiv(block_table.shape[1] * PAGE, KV_CHUNK)
+        tile, warps = decode_tile(G, rows)
+        fits = B * Hq * nc * (Dv + 2) * 4 <= SPLIT_WORKSPACE_BYTES
+        if not fits:
+            tile, warps = BLOCK_M, NUM_WARPS
         if splits is None:
-            fits = B * Hq * nc * (Dv + 2) * 4 <= SPLIT_WORKSPACE_BYTES
             on = fits and q.is_cuda and settings.decode_split()
-            splits = decode_splits(B, Hkv, nc, _sm_count(q.device)) if on else 1
-        if splits > 1:
+            splits = decode_splits(B, Hkv, nc, _sm_count(q.device), tile) if on else 1
+        if splits > 1 or tile < BLOCK_M:
             wm = torch.empty(B * Hq, nc, device=q.device, dtype=torch.float32)
             wl = torch.empty_like(wm)
             wacc = torch.empty(B * Hq, nc, Dv, device=q.device, dtype=torch.float32)
@@ -503,7 +523,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 block_table.stride(0), float(scale),
                 GROUP=G, D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
-                PAGE=PAGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, num_warps=NUM_WARPS,
+                PAGE=PAGE, BLOCK_M=tile, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, num_warps=warps,
                 num_stages=2, enable_fp_fusion=False)
             _paged_merge_kernel[(B * Hq,)](wm, wl, wacc, cu_seqlens_q, seq_lens, out, Hq, nc, out.stride(0),
                                            out.stride(1), DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv),

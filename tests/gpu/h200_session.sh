@@ -53,7 +53,7 @@ run_stage() {
         [ -f "/root/ckpt/$c/config.json" ] || "$PY" benchmarks/rollout_gpu.py ckpt --config "$c" --out "/root/ckpt/$c"
       done ;;
     tests)
-      timeout 540 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_aligned_cuda_engine.py \
+      timeout ${TESTS_TIMEOUT:-540} "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_aligned_cuda_engine.py \
         tests/gpu/test_stock_reload.py tests/gpu/test_triton_kernels.py} > "$d/pytest_full.txt" 2>&1
       grep -E "^E  |^FAILED|^ERROR|passed|failed" "$d/pytest_full.txt" | tail -40 | tee "$d/pytest.txt" ;;
     segments)

@@ -110,6 +110,41 @@ def test_paged_split_decode_equals_one_pass_any_split_and_in_a_graph():
     assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(512, 4, 16, 132) == 1 and A.decode_splits(256, 4, 16, 132) == 2
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(16, 4), (32, 4), (12, 2), (16, 16), (16, 1), (8, 8)])
+def test_paged_decode_with_fewer_rows_per_program_equals_the_64_row_tile(Hq, Hkv):
+    """The 16- and 32-row split-KV decode programs (``rows``, ``RZ_DECODE_ROWS``) against the
+    64-row prefill tile of the contract: every decode row's bits, for GQA groups of 1 to 16 heads,
+    lengths around tile and chunk edges, every split, and replayed from a CUDA graph. This is the
+    measurement that decides whether the smaller tiles are a launch plan on this GPU (one warp per
+    16 rows, laid out as each warp of the 64-row tile): if it fails, they must stay off."""
+    need_cuda()
+    from kernels.triton import attn as A
+
+    lens = [1, 63, 64, 65, 255, 256, 257, 700, 1030, 2047, 2600]
+    nq = [1] * len(lens)
+    q, kc, vc, bt, cu, pos, kcont, vcont, sl = _paged_setup(lens, nq, Hq=Hq, Hkv=Hkv, seed=Hq + Hkv)
+    D = q.shape[-1]
+    ref = A.attention_batched(q, kcont, vcont, cu, pos, D ** -0.5, max_q_len=1, split_kv=False)
+    nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
+    G = Hq // Hkv
+    for rows in (16, 32):
+        assert A.decode_tile(G, rows) == (rows, rows // 16)  # every group here fits 16 rows
+        for splits in (1, 2, 3, nc, None):
+            out = torch.full_like(ref, float("nan"))
+            A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=out, splits=splits, rows=rows)
+            assert torch.equal(out, ref), (rows, splits, (out.float() - ref.float()).abs().max().item())
+        sl_g = torch.ones_like(sl)
+        out_g = torch.zeros_like(ref)
+        A.paged_attention(q, kc, vc, bt, cu, sl_g, D ** -0.5, max_q_len=1, out=out_g, splits=4, rows=rows)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            A.paged_attention(q, kc, vc, bt, cu, sl_g, D ** -0.5, max_q_len=1, out=out_g, splits=4, rows=rows)
+        sl_g.copy_(sl)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, ref), rows
+
+
 def test_fused_work_list_equals_torch_work_list():
     """The one-kernel MoE work list (decode) has exactly the values of the torch sort / scan one,
     for skewed and uniform routings, and moe_experts gives the same bits through either."""

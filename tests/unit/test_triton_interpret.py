@@ -48,6 +48,15 @@ for splits in (2, 3, 4, 7, 64):
     o = torch.full_like(one, float("nan"))
     A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=o, splits=splits)
     assert torch.equal(o, one), splits
+# 16- / 32-row decode programs (one / two warps): the same masks, rows and chunk states; in the
+# interpreter the dot is numpy's, so this checks the plan's indexing, not the GPU's MMA bits
+for rows in (16, 32):
+    assert A.decode_tile(Hq // Hkv, rows) == (rows, rows // 16)
+    for splits in (1, 3):
+        o = torch.full_like(one, float("nan"))
+        A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=o, splits=splits, rows=rows)
+        assert torch.allclose(o, one, rtol=1e-5, atol=1e-6), (rows, splits)
+assert A.decode_tile(32, 16) == (32, 2) and A.decode_tile(128, 16) == (64, 4) and A.decode_tile(4, 64) == (64, 4)
 for b, L in enumerate(lens):
     p = torch.arange(L)
     kk = kc[bt[b, p // PAGE].long(), :, p % PAGE].double().repeat_interleave(Hq // Hkv, 1)
