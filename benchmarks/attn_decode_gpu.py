@@ -6,9 +6,10 @@ vLLM's FlashAttention (what stock vLLM runs), on RL decode shapes.
 
 A shape ``BxL``: B sequences of L keys each, one query each (heads ``Hq/Hkv`` of 128, default moe1b's
 16 query / 4 KV heads; bf16, 16-slot pages, a shuffled block table). For each shape: microseconds per
-call (CUDA events over ``--iters`` calls after a warm-up) of ``kernels.triton.attn.paged_attention``
+call (CUDA events over ``--iters`` calls replayed from CUDA graphs: kernel time without Python's
+launch cost, as the engine's decode graphs run) of ``kernels.triton.attn.paged_attention``
 at ``splits`` = 1 (one pass), the default (:func:`decode_splits`) and one program per chunk, with
-64-row programs and with 32- / 16-row ones (``rows``), and of FlashAttention 3's
+64-row programs and with 16-row ones (``rows``), and of FlashAttention 3's
 ``flash_attn_varlen_func`` with a block table (what stock vLLM runs on Hopper); and whether every
 plan gave the one-pass 64-row kernel's bits (``torch.equal``, per plan in ``equal``).
 """
@@ -35,16 +36,25 @@ def _setup(B: int, L: int, Hq=16, Hkv=4, D=128, PAGE=16, seed=0):
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(5):
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of 20 calls (kernel time, no
+    Python launch cost: the engine replays decode from graphs too)."""
+    for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            fn()
+    g.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    reps = max(1, iters // 20)
     a.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(reps):
+        g.replay()
     b.record()
     torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000.0 / iters
+    return a.elapsed_time(b) * 1000.0 / (reps * 20)
 
 
 def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]]) -> dict:
@@ -65,7 +75,7 @@ def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]])
             row = {"heads": f"{Hq}/{Hkv}", "batch": B, "keys": L, "chunks": nc, "us": {}, "equal": {}}
             one = torch.empty_like(q)
             A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=one, splits=1, rows=64)
-            for rows in (64, 32, 16):
+            for rows in (64, 16):
                 tile, _ = A.decode_tile(Hq // Hkv, rows)
                 if tile != rows:
                     continue

@@ -234,10 +234,9 @@ ENGINE_KINDS = {
     # the token's logprob and finiteness flag; same bits), and explicitly without them (the default)
     "aligned_fused": (True, {"RZ_FUSED_SAMPLER": "1"}),
     "aligned_unfused": (True, {"RZ_FUSED_SAMPLER": "0"}),
-    # the aligned class with 16- / 32-row split-KV decode programs (kernels.settings.set_decode_rows:
-    # a launch plan only where the GPU gives the 64-row tile's bits, which the GPU tests check)
+    # the aligned class with 16-row split-KV decode programs (kernels.settings.set_decode_rows: a
+    # launch plan only where the GPU gives the 64-row tile's bits, which the GPU tests check)
     "aligned_r16": (True, {"RZ_DECODE_ROWS": "16"}),
-    "aligned_r32": (True, {"RZ_DECODE_ROWS": "32"}),
 }
 
 

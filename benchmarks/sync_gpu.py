@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def _write_ckpt(model_cfg, sd: dict, out: Path) -> None:
+def write_ckpt(model_cfg, sd: dict, out: Path) -> None:
     from safetensors.torch import save_file
 
     from megatron_rz.learner.tiny_models import hf_config
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     sd = random_hf_weights(r.model)
     learner = Learner(r.model, r.parallel, r.algo, sd, seed=0, mode="aligned")
     ckpt = Path(tempfile.mkdtemp(prefix="rz_sync_ckpt_"))
-    _write_ckpt(r.model, sd, ckpt)
+    write_ckpt(r.model, sd, ckpt)
     del sd
     t0 = time.perf_counter()
     engine = RolloutEngine(ckpt, aligned=True, dtype="bfloat16", kv_cache_gb=2.0, max_model_len=256,

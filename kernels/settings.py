@@ -11,7 +11,7 @@ per-request exponential noise; it changes which token a seed gives (both exact s
 reported log-probability. ``RZ_FUSED_SAMPLER`` (``0`` | ``1``, default 0) is a launch-plan switch of that
 sampler (speed only, never a bit): fused (``log_softmax`` in two launches, the draw kernel writing
 the sampled token's logprob and the finiteness flag) or the unfused plans. ``RZ_DECODE_ROWS``
-(``64`` | ``32`` | ``16``, default 64): rows per split-KV decode program (see set_decode_rows).
+(``64`` | ``16``, default 64): rows per split-KV decode program (see set_decode_rows).
 """
 
 from __future__ import annotations
@@ -65,15 +65,16 @@ def decode_split() -> bool:
 
 
 def set_decode_rows(rows: int) -> None:
-    """Split-KV paged decode: query rows per program (64, 32 or 16). A decode program holds only
-    the GQA group's heads of one query, so 64 rows (the prefill tile, part of the numerics) waste
-    most of its MMA and softmax work; 32 / 16 rows run 2 / 1 warps, each warp's 16 rows laid out
-    as in the 64-row tile. This is a launch plan only where the GPU's MMA gives the 64-row tile's
-    bits row for row, which ``tests/gpu/test_triton_kernels.py`` checks on the machine; hence
-    opt-in (``RZ_DECODE_ROWS``), default 64."""
+    """Split-KV paged decode: query rows per program, 64 or 16. A decode program holds only the
+    GQA group's heads of one query, so 64 rows (the prefill tile, part of the numerics) waste most
+    of its MMA and softmax work; 16 rows run one warp laid out as each warp of the 64-row tile
+    (mma.sync instead of wgmma, which the GEMM measurements found bit-identical). A launch plan only
+    where the GPU gives the 64-row tile's bits row for row, which ``tests/gpu`` checks on the
+    machine; hence opt-in (``RZ_DECODE_ROWS``), default 64. (32 rows on two warps gave 1-ulp
+    differences for a 16-head group on an H100, so it is not offered.)"""
     global _decode_rows
-    if int(rows) not in (16, 32, 64):
-        raise ValueError(f"decode rows {rows!r}: must be 16, 32 or 64")
+    if int(rows) not in (16, 64):
+        raise ValueError(f"decode rows {rows!r}: must be 16 or 64")
     _decode_rows = int(rows)
 
 

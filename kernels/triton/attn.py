@@ -453,13 +453,12 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_chunks: int, sm_count: i
 
 def decode_tile(group: int, rows: Optional[int] = None) -> tuple[int, int]:
     """(rows per program, warps) of a split-KV decode program for a GQA group of ``group`` heads:
-    ``rows`` (default ``settings.decode_rows()``) raised to hold the group, one warp per 16 rows;
-    64 rows (the prefill tile) when the group needs them."""
+    16 rows on one warp when ``rows`` (default ``settings.decode_rows()``) is 16 and the group
+    fits, else the 64-row prefill tile on four warps."""
     r = settings.decode_rows() if rows is None else int(rows)
-    r = max(r, 16, triton.next_power_of_2(group))
-    if r >= BLOCK_M:
-        return BLOCK_M, NUM_WARPS
-    return r, r // 16
+    if r == 16 and group <= 16:
+        return 16, 1
+    return BLOCK_M, NUM_WARPS
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -483,9 +482,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     second kernel -- flash-decoding with split points fixed in key positions, so the bits are the
     one-pass kernel's whatever the split (tested). The chunk count comes from the block table's
     width (host-known), so a captured graph serves every length up to it. ``rows``: query rows per
-    split program (:func:`decode_tile`; default ``settings.decode_rows()``, 64): fewer rows run
-    fewer warps on the same per-warp layout, a launch plan only where the GPU gives the 64-row
-    tile's bits (checked on the machine by the GPU tests).
+    split program (:func:`decode_tile`; default ``settings.decode_rows()``, 64): 16 rows run one
+    warp with each warp's layout of the 64-row tile, a launch plan only where the GPU gives the
+    64-row tile's bits (checked on the machine by the GPU tests).
 
     Bitwise :func:`attention` / :func:`attention_batched` on the same keys (same tiles, chunks,
     order): prefill, chunked prefill and decode of a sequence give the bits the learner's

@@ -205,9 +205,9 @@ def _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, k_lo, k_hi, M, N, K,
             if EVEN_K:
                 a = tl.load(xp, mask=mask_m[:, None], other=0.0)
                 b = tl.load(wp, mask=mask_n[:, None], other=0.0)
-            else:
-                a = tl.load(xp, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-                b = tl.load(wp, mask=mask_n[:, None] & (kk[None, :] < K), other=0.0)
+            else:  # the segment's end (K for one segment): a segment need not fill its last tile
+                a = tl.load(xp, mask=mask_m[:, None] & (kk[None, :] < k_hi), other=0.0)
+                b = tl.load(wp, mask=mask_n[:, None] & (kk[None, :] < k_hi), other=0.0)
             if IEEE:
                 acc = tl.dot(a, b.T, acc, input_precision="ieee")
             else:
@@ -322,11 +322,13 @@ def matmul(
         block_k = max(16, block_k // 2)
         num_stages = min(num_stages, 3)
     if nseg > 1 and seg_len % block_k:
-        bk_max, block_k = block_k, 16  # segment boundaries must fall on BLOCK_K steps (bits are unaffected)
+        # segment boundaries should fall on BLOCK_K steps (bits are unaffected); a segment shorter
+        # than 16 or not a multiple of it (e.g. a tiny model's 128-wide o_proj in 16 row-parallel
+        # segments of 8) runs 16-wide tiles masked at the segment's end: the masked products are
+        # exact zeros, and learner and engine run this same kernel
+        bk_max, block_k = block_k, 16
         while block_k * 2 <= bk_max and seg_len % (block_k * 2) == 0:
             block_k *= 2
-        if seg_len % block_k:
-            raise ValueError(f"matmul: segment length {seg_len} is not a multiple of 16")
     even_k = seg_len % block_k == 0
     tma = cfg.tma and even_k and _tma_ok(x2, w)
     if tma:

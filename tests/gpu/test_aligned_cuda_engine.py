@@ -112,11 +112,11 @@ def test_paged_split_decode_equals_one_pass_any_split_and_in_a_graph():
 
 @pytest.mark.parametrize("Hq,Hkv", [(16, 4), (32, 4), (12, 2), (16, 16), (16, 1), (8, 8)])
 def test_paged_decode_with_fewer_rows_per_program_equals_the_64_row_tile(Hq, Hkv):
-    """The 16- and 32-row split-KV decode programs (``rows``, ``RZ_DECODE_ROWS``) against the
-    64-row prefill tile of the contract: every decode row's bits, for GQA groups of 1 to 16 heads,
-    lengths around tile and chunk edges, every split, and replayed from a CUDA graph. This is the
-    measurement that decides whether the smaller tiles are a launch plan on this GPU (one warp per
-    16 rows, laid out as each warp of the 64-row tile): if it fails, they must stay off."""
+    """The 16-row split-KV decode programs (``rows``, ``RZ_DECODE_ROWS``) against the 64-row
+    prefill tile of the contract: every decode row's bits, for GQA groups of 1 to 16 heads, lengths
+    around tile and chunk edges, every split, and replayed from a CUDA graph. This is the
+    measurement that decides whether the 16-row plan is a launch plan on this GPU (one warp, laid
+    out as each warp of the 64-row tile): if it fails, it must stay off."""
     need_cuda()
     from kernels.triton import attn as A
 
@@ -127,8 +127,8 @@ def test_paged_decode_with_fewer_rows_per_program_equals_the_64_row_tile(Hq, Hkv
     ref = A.attention_batched(q, kcont, vcont, cu, pos, D ** -0.5, max_q_len=1, split_kv=False)
     nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
     G = Hq // Hkv
-    for rows in (16, 32):
-        assert A.decode_tile(G, rows) == (rows, rows // 16)  # every group here fits 16 rows
+    for rows in (16,):
+        assert A.decode_tile(G, rows) == (16, 1)  # every group here fits 16 rows
         for splits in (1, 2, 3, nc, None):
             out = torch.full_like(ref, float("nan"))
             A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=out, splits=splits, rows=rows)

@@ -25,14 +25,14 @@ def engine(tmp_path_factory):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from learner_gpu import _recipe, random_hf_weights
-    from sync_gpu import _write_ckpt
+    from learner_gpu import bench_recipe, random_hf_weights
+    from sync_gpu import write_ckpt
     from vllm_bridge.engine import RolloutEngine
 
     # gpu_moe's shapes (the aligned CUDA kernels need K segments of >= 16: the tiny CPU model is too small)
     ckpt = tmp_path_factory.mktemp("ipc") / "ckpt"
-    r = _recipe("gpu_moe", "aligned")
-    _write_ckpt(r.model, random_hf_weights(r.model, device="cpu"), ckpt)
+    r = bench_recipe("gpu_moe", "aligned")
+    write_ckpt(r.model, random_hf_weights(r.model, device="cpu"), ckpt)
     eng = RolloutEngine(ckpt, aligned=True, dtype="bfloat16", max_model_len=256, kv_cache_gb=2.0,
                         skip_tokenizer_init=True, gpu_memory_utilization=0.3)
     yield eng, ckpt
