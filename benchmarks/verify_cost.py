@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_bridge.worker_ext import tensor_bits  # noqa: E402
+from vllm_bridge.worker_ext import tensor_bits, tensors_bits  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -60,12 +60,17 @@ def run(device: str, gb: float) -> dict:
         read_s = _median(lambda: [t.sum() for t in ts], device)  # a plain read: torch's own sum of every element
         row = {"tensors": len(ts), "bytes": nbytes, "bits_s": bits_s, "bits_s_per_gb": bits_s / (nbytes / 1e9),
                "bits_gb_per_s": nbytes / 1e9 / bits_s, "torch_sum_s_per_gb": read_s / (nbytes / 1e9)}
+        # what the sync check runs: every tensor of the list at once (on CUDA one Triton launch per
+        # element size and one synchronisation, kernels.triton.bits)
+        many_s = _median(lambda: tensors_bits(ts), device)
+        row.update({"tensors_bits_s": many_s, "tensors_bits_s_per_gb": many_s / (nbytes / 1e9)})
         if device == "cuda":
             row["cuda_equals_cpu"] = all(tensor_bits(t) == tensor_bits(t.cpu()) for t in (ts[0], ts[-1]))
         out[str(dtype).replace("torch.", "")] = row
         print(f"{device} {dtype}: {nbytes / 1e9:.2f} GB in {len(ts)} tensors: tensor_bits {bits_s:.3f} s "
               f"({row['bits_s_per_gb']:.3f} s/GB, {row['bits_gb_per_s']:.1f} GB/s); torch's sum of the same "
-              f"tensors {row['torch_sum_s_per_gb']:.3f} s/GB", flush=True)
+              f"tensors {row['torch_sum_s_per_gb']:.3f} s/GB; the list at once (tensors_bits) "
+              f"{row['tensors_bits_s_per_gb']:.4f} s/GB", flush=True)
         del ts
     return out
 

@@ -62,6 +62,8 @@ def tensor_bits(t: torch.Tensor) -> int:
     every device, thread count and chunking (``bit_patterns`` x ``bits_weights`` summed at once, as
     vllm_bridge.weights.reshard.part_bits does for a part, gives the same number). ~0.27 s per GB on one CPU
     core (docs/architecture.md "Reliability")."""
+    if t.is_cuda:  # one Triton launch (kernels.triton.bits), the same number
+        return tensors_bits([t])[0]
     x = t.detach().reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
@@ -79,6 +81,46 @@ def tensor_bits(t: torch.Tensor) -> int:
         b.mul_(w[:m])  # int64 products wrap mod 2^64
         total += b.sum()
     return int(total)  # the one host synchronisation
+
+
+def tensors_bits(tensors: list[torch.Tensor]) -> list[int]:
+    """tensor_bits of each tensor. CUDA tensors: all of them in one Triton launch per element size
+    (``kernels.triton.bits.bits_many``: each byte read once, no widened copies) and one host
+    synchronisation for the list; CPU tensors: tensor_bits one by one."""
+    return [int(v) for v in tensors_bits_lazy(tensors)]
+
+
+def tensors_bits_lazy(tensors: list[torch.Tensor]) -> list:
+    """tensors_bits without the host synchronisation: CUDA tensors' checksums come back as 0-d
+    int64 device tensors (read them later, all at once, with :func:`resolve_bits`), CPU tensors'
+    as ints."""
+    cuda = [i for i, t in enumerate(tensors) if t.is_cuda]
+    out: list = [None] * len(tensors)
+    by_dev: dict = {}
+    for i in cuda:
+        by_dev.setdefault(tensors[i].device, []).append(i)
+    if by_dev:
+        from kernels.triton.bits import bits_many
+
+        for idx in by_dev.values():
+            vals = bits_many([tensors[i] for i in idx])
+            for j, i in enumerate(idx):
+                out[i] = vals[j]
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = tensor_bits(t)
+    return out
+
+
+def resolve_bits(values: list) -> list[int]:
+    """Ints of tensors_bits_lazy's values: device tensors read in one synchronisation per device."""
+    out = list(values)
+    dev = [i for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
+    if dev:
+        got = torch.stack([out[i].to(out[dev[0]].device) for i in dev]).tolist()
+        for i, g in zip(dev, got):
+            out[i] = int(g)
+    return out
 
 
 BITS_PERIOD = 1000003  # bits_weights repeats with this period (a prime)
@@ -404,11 +446,14 @@ class WeightSyncExtension:
         stock = getattr(self, "_rz_stock", None)
         wanted = list(params) if names is None else names
         sums = {}
+        whole = [n for n in wanted if n in params and (stock is None or n not in stock["pieces"])]
+        # every whole parameter at once: on the GPU one launch per element size and one synchronisation
+        for n, b in zip(whole, tensors_bits([params[n] for n in whole])):
+            p = params[n]
+            sums[n] = {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "bits": b}
         for n in wanted:
             piece = None if stock is None else stock["pieces"].get(n)
             if piece is None:
-                if n in params:
-                    sums[n] = bits_entry(params[n])
                 continue
             shape = [b - a for a, b in piece["box"]]
             if self._rz_live.get(piece["param"]) and piece["param"] in params:

@@ -10,6 +10,7 @@
 #          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
 #   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
 #   learner  the learner's train step aligned vs fast (benchmarks/learner_gpu.py; LEARNER_CONFIGS, LEARNER_PROFILE=1)
+#   verify_cost  the sync check's exact checksum per GB: per tensor vs the whole list at once (benchmarks/verify_cost.py)
 #   sampler  the sampler's host / GPU cost per call, stock vs aligned, fused epilogue on and off
 #          (benchmarks/sampler_host.py)
 #   tests  tests/gpu/test_aligned_cuda_engine.py (aligned CUDA engine: batch invariance, decode ==
@@ -186,6 +187,9 @@ PYEOF
         > "$d/learner_gpu.log" 2>&1
       echo "rc=$? learner" >> "$d/summary.txt"
       grep -vE "^(INFO|WARNING|\(EngineCore)" "$d/learner_gpu.log" | tail -30 | tee -a "$d/summary.txt" ;;
+    verify_cost)
+      # the every-parameter sync check's checksum: per tensor and the whole list at once (kernels.triton.bits)
+      "$PY" benchmarks/verify_cost.py --device cuda --gb ${VERIFY_GB:-2} --out "$d/verify_cost.json" 2>&1 | tail -4 | tee "$d/summary.txt" ;;
     sampler)
       "$PY" benchmarks/sampler_host.py --out "$d/sampler_host.json" > "$d/sampler_host.log" 2>&1
       echo "rc=$? sampler" >> "$d/summary.txt"

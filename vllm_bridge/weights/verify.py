@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vllm_bridge.weights.buckets import Bucket, WeightSyncError
-from vllm_bridge.worker_ext import is_readable_name, tensor_bits, tensor_checksum
+from vllm_bridge.worker_ext import is_readable_name, resolve_bits, tensor_bits, tensor_checksum, tensors_bits_lazy
 
 
 def check_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], checksums: dict | Callable[[list[str]], dict],
@@ -105,6 +105,8 @@ class SyncCheck:
     engine and keep them). Feed it the learner's tensors as they are sent (``stream(buckets)``,
     ``add(name, tensor)``), then ``verify(engine, version)`` after the commit."""
 
+    FLUSH_BYTES = 256 << 20  # checksum the pending boxes once they hold this much
+
     def __init__(self, reports: list[dict]):
         from vllm_bridge.shards import layout_from_reports
 
@@ -119,6 +121,9 @@ class SyncCheck:
                 self._holders.setdefault(name, []).append((e, p))
         self.bytes = 0
         self.seconds = 0.0
+        self._pending: list[torch.Tensor] = []  # boxes added, not yet checksummed (flush)
+        self._waiting: list[tuple[tuple[int, str], int]] = []  # ((worker, name), index into _pending)
+        self._pending_bytes = 0
 
     @staticmethod
     def layout_of(engine) -> list[dict]:
@@ -143,27 +148,58 @@ class SyncCheck:
                 x = narrow(t.detach(), p.box)
                 if str(x.dtype).replace("torch.", "") != p.dtype:
                     x = x.to(getattr(torch, p.dtype))
-                done[key] = tensor_bits(x) % _MOD
+                done[key] = len(self._pending)
+                self._pending.append(x)
+                self._pending_bytes += x.numel() * x.element_size()
                 self.bytes += x.numel() * x.element_size()
-            self.expected[(e, name)] = done[key]
+            self._waiting.append(((e, name), done[key]))
+        self.seconds += time.perf_counter() - t0
+        if self._pending_bytes > self.FLUSH_BYTES:  # never hold more than this many tensors' bytes
+            self.flush()
+
+    def flush(self) -> None:
+        """Checksum the boxes added since the last flush: on the GPU one launch per element size,
+        no host synchronisation (the values are read in compare)."""
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        vals = tensors_bits_lazy(self._pending)
+        for key, j in self._waiting:
+            self.expected[key] = vals[j]
+        self._pending, self._waiting, self._pending_bytes = [], [], 0
         self.seconds += time.perf_counter() - t0
 
     def stream(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
-        """The bucket stream, unchanged, with every tensor added as it passes."""
+        """The bucket stream, unchanged, with every tensor added as it passes (checksummed per
+        bucket, before the bucket goes on: a transport may reuse its memory afterwards)."""
         for b in buckets:
             for n, t in b.items():
                 self.add(n, t)
+            self.flush()
             yield b
 
     def named(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "SyncCheck":
         for n, t in named_tensors:
             self.add(n, t)
+        self.flush()
         return self
+
+    def _resolve(self) -> None:
+        self.flush()
+        keys = [k for k, v in self.expected.items() if not isinstance(v, int)]
+        if keys:
+            t0 = time.perf_counter()
+            for k, v in zip(keys, resolve_bits([self.expected[k] for k in keys])):
+                self.expected[k] = v
+            self.seconds += time.perf_counter() - t0
+        for k, v in self.expected.items():
+            self.expected[k] = v % _MOD
 
     def compare(self, reported: list[dict], version: int, where: str = "the rollout engine") -> dict:
         """``reported[e]``: worker e's rz_shard_checksums "sums". Raises WeightSyncError (one line)
         naming every parameter whose bytes differ, that the learner did not send, or that the
         worker did not report."""
+        self._resolve()
         bad, ranks, checked = [], [], 0
         if len(reported) != len(self.layout):
             raise WeightSyncError(f"weight sync to version {version}: {where} reported {len(reported)} workers, its "
