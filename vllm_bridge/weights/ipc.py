@@ -54,13 +54,15 @@ def pack(bucket: Bucket, device=None) -> tuple[torch.Tensor, list]:
 
 
 def unpack(buf: torch.Tensor, table: list, device) -> dict[str, torch.Tensor]:
-    """Copies (on ``device``) of the tensors ``table`` describes inside ``buf``."""
+    """The tensors ``table`` describes inside ``buf``, as views of ONE copy of ``buf`` on ``device``
+    (one allocation and one device-to-device copy per bucket, not one per tensor; the ALIGN-byte
+    offsets keep every view aligned for its dtype). The copy never aliases ``buf``."""
+    local = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
+    local.copy_(buf)
     out = {}
     for name, dtype, shape, o, n in table:
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        if n:
-            t.reshape(-1).view(torch.uint8).copy_(buf[o:o + n])
-        out[name] = t
+        dt = getattr(torch, dtype)
+        out[name] = local[o:o + n].view(dt).view(shape) if n else torch.empty(shape, dtype=dt, device=device)
     return out
 
 
