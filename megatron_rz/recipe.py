@@ -242,7 +242,8 @@ class RolloutConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] | None = None
     verify_sync: bool = True  # after each sync, check vLLM's logprobs now follow the new weights
     # How the learner's weights reach the engine (vllm_bridge/weights/select.py has the table): "auto" =
-    # in-process bytes for one local engine at max_lag 0, bucket files otherwise; "inprocess";
+    # for one local engine at max_lag 0 CUDA IPC on a GPU machine and in-process bytes on CPU, bucket
+    # files otherwise; "inprocess";
     # "filesystem" (version directories of bucket files the workers read); "nccl" (vLLM's NCCL weight
     # transfer, CUDA, engine on other GPUs); "ipc" (CUDA IPC handles, device to device: learner and
     # engine colocated, max_lag 0, local); "reshard" (every learner rank writes only the engine

@@ -328,7 +328,7 @@ class InlineRollout:
         self.pad_id = self.side.tok.pad_token_id
         r = recipe.rollout
         self.transport = make_transport(r.weight_transport, run_dir=self.run_dir, engine=self.side.engine,
-                                        where=r.where, max_lag=0)
+                                        where=r.where, max_lag=0, cuda=torch.cuda.is_available())
         self.restarts = 0
         self._new_producer()
 

@@ -127,3 +127,15 @@ def test_no_module_outside_the_package_chooses_a_transport():
                         found.setdefault(rel, []).append(f"{name} (line {node.lineno})")
     assert set(found) <= CONSTRUCTORS_ALLOWED, {k: v for k, v in found.items() if k not in CONSTRUCTORS_ALLOWED}
     assert set(found) == CONSTRUCTORS_ALLOWED, f"stale entries: {CONSTRUCTORS_ALLOWED - set(found)}"
+
+
+def test_auto_is_ipc_for_a_colocated_engine_on_cuda_and_inprocess_on_cpu(tmp_path):
+    from vllm_bridge.weights import make_transport
+    from vllm_bridge.weights.select import resolve
+
+    assert resolve("auto", where="local", max_lag=0, cuda=True) == "ipc"
+    assert resolve("auto", where="local", max_lag=0, cuda=False) == "inprocess"
+    for where, lag in (("local", 2), ("servers", 0), ("servers", 2)):  # never IPC off the trainer's process
+        assert resolve("auto", where=where, max_lag=lag, cuda=True) == "filesystem"
+    assert resolve("inprocess", cuda=True) == "inprocess"  # an explicit choice stays
+    assert type(make_transport("auto", run_dir=tmp_path, cuda=True)).__name__ == "IPCTransport"

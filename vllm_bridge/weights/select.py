@@ -1,9 +1,10 @@
 """Which weight transport a run uses: the recipe's ``rollout.weight_transport``, one compatibility
 table, one factory. Nothing else in the project chooses a transport.
 
-    auto        inprocess for one engine in the trainer's process (schedule.max_lag=0,
-                rollout.where=local); filesystem otherwise (the rollout process of an asynchronous
-                run; the vLLM servers of a job)
+    auto        for one engine in the trainer's process (schedule.max_lag=0, rollout.where=local):
+                ipc on a CUDA machine (learner and engine colocated: 0.21 s for 848 MB on an H100,
+                against 3.4 s in-process), inprocess on CPU; filesystem otherwise (the rollout process
+                of an asynchronous run; the vLLM servers of a job)
     inprocess   safetensors bytes over collective_rpc into an engine of this process
     filesystem  a version directory of bucket files the engine's workers read themselves
     nccl        vLLM's NCCL weight-transfer API (CUDA): rank 0 broadcasts each bucket to the workers
@@ -49,11 +50,14 @@ def placement(where: str, max_lag: int) -> str:
     return "inline" if int(max_lag) == 0 else "process"
 
 
-def resolve(kind: str, *, where: str = "local", max_lag: int = 0) -> str:
-    """The concrete transport of ``kind`` for this engine placement (``auto`` decided)."""
+def resolve(kind: str, *, where: str = "local", max_lag: int = 0, cuda: bool = False) -> str:
+    """The concrete transport of ``kind`` for this engine placement (``auto`` decided; ``cuda``:
+    the engine runs on this machine's CUDA devices)."""
     if kind != "auto":
         return kind
-    return "inprocess" if placement(where, max_lag) == "inline" else "filesystem"
+    if placement(where, max_lag) == "inline":
+        return "ipc" if cuda else "inprocess"
+    return "filesystem"
 
 
 def refusal(kind: str, *, where: str, max_lag: int, mode: str, arch: str, cuda: bool | None = None) -> str | None:
@@ -79,10 +83,11 @@ def refusal(kind: str, *, where: str, max_lag: int, mode: str, arch: str, cuda: 
     return f"rollout.weight_transport={kind} cannot be used here: {why}; use rollout.weight_transport=auto"
 
 
-def make_transport(kind: str, *, run_dir: str | os.PathLike, engine=None, where: str = "local", max_lag: int = 0):
-    """The transport instance for this run: ``kind`` resolved (``auto``), files under
-    ``run_dir``/WEIGHTS_DIR; ``engine`` the in-process engine (inprocess, nccl)."""
-    kind = resolve(kind, where=where, max_lag=max_lag)
+def make_transport(kind: str, *, run_dir: str | os.PathLike, engine=None, where: str = "local", max_lag: int = 0,
+                   cuda: bool = False):
+    """The transport instance for this run: ``kind`` resolved (``auto``; ``cuda``: the engine runs on
+    CUDA), files under ``run_dir``/WEIGHTS_DIR; ``engine`` the in-process engine (inprocess, nccl, ipc)."""
+    kind = resolve(kind, where=where, max_lag=max_lag, cuda=cuda)
     directory = Path(run_dir) / WEIGHTS_DIR
     if kind == "inprocess":
         from vllm_bridge.weights.inprocess import InProcessTransport
