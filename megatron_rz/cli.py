@@ -344,8 +344,10 @@ def _main(argv: list[str]) -> int:
                         "name) by 1+2^-8 on that side only; the report must name its layer and op "
                         "(repeatable: e.g. one fault per side)")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast step time), `async` (async at --lags vs sync)")
-    p.add_argument("what", choices=["rollout", "async"])
+    p = sub.add_parser("bench", help="benchmarks: `rollout` (aligned vs fast rollout time), `step` (the whole RL "
+                                     "step, aligned vs fast: rollout / learner / sync per update), `async` (async at "
+                                     "--lags vs sync)")
+    p.add_argument("what", choices=["rollout", "step", "async"])
     _recipe_args(p)
     p.add_argument("--rounds", type=_positive, default=5)
     p.add_argument("--lags", type=_lags, default=(2,), metavar="L[,L...]",

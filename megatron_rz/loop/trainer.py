@@ -477,6 +477,45 @@ def train(recipe: Recipe) -> dict:
             shutil.rmtree(run_dir / WEIGHTS_DIR, ignore_errors=True)  # versions in flight to the rollout process
 
 
+def _bench_legs(recipe: Recipe, name: str, legs: list[tuple[str, str, int]], steps: int) -> tuple[Path, dict]:
+    """Run ``legs`` [(leg name, mode, max_lag)] of ``steps`` updates each from one base model (made
+    once), each in a fresh process, into a new RUN_DIR/<name>/run<i>/ (earlier results are kept).
+    Returns (that folder, {leg: its training rows of metrics.jsonl, plus "wall_s"})."""
+    import multiprocessing as mp
+
+    root = recipe.run_dir / name
+    shared = prepare_base_model(recipe.model_copy(deep=True), root)
+    _release_device_memory()  # a warm start on the GPU leaves the allocator's cache in this process
+    i = 1
+    while (root / f"run{i}").exists():  # an earlier bench's results stay: each invocation gets its own folder
+        i += 1
+    out = root / f"run{i}"
+    got: dict = {}
+    for leg_name, mode, lag in legs:
+        r = recipe.model_copy(deep=True)
+        r.mode = mode
+        r.schedule.steps, r.schedule.max_lag, r.schedule.eval_every = steps, lag, 0
+        r.schedule.time_limit_s = 0.0  # every run does all its steps
+        r.logging.run_dir = str(out / leg_name)
+        r.logging.wandb, r.logging.plots, r.logging.progress = False, False, False
+        r.checkpoint.every, r.checkpoint.load = 0, None
+        if not (r.run_dir / "base_model" / "config.json").exists():
+            shutil.copytree(shared, r.run_dir / "base_model", dirs_exist_ok=True)
+        # Each leg in a fresh process: the learner and allocator of one leg would otherwise still hold
+        # device memory when the next leg's vLLM engine checks the free memory at its start.
+        t0 = time.perf_counter()
+        leg = mp.get_context("spawn").Process(target=_bench_leg, args=(r.model_dump(),), name=f"rz-bench-{leg_name}")
+        leg.start()
+        leg.join()
+        wall = time.perf_counter() - t0
+        if leg.exitcode != 0:
+            raise RuntimeError(f"rz bench {name.removeprefix('bench_')}: the {leg_name} run (mode={mode}, max_lag={lag}) "
+                               f"failed with exit code {leg.exitcode}; its output is above, its run dir is {r.run_dir}")
+        rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+        got[leg_name] = {"rows": [x for x in rows if "max_abs_dlogp" in x], "wall_s": wall}
+    return out, got
+
+
 def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] = (2,)) -> dict:
     """Same recipe, ``steps`` updates at max_lag=0 (sync) and at each of ``lags``, in one invocation;
     updates/s is over the update loop (sum of per-update wall times: rollout wait + learner + sync;
@@ -486,38 +525,11 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     ratio (sync: the in-process reload into the engine; async: the write for the rollout process,
     which loads it off the critical path), and on CUDA the host <-> device copy bandwidth of the
     machine (the link a one-GPU sync crosses). Prints and returns the numbers and the ratios."""
-    import multiprocessing as mp
-
-    root = recipe.run_dir / "bench_async"
-    shared = prepare_base_model(recipe.model_copy(deep=True), root)
-    _release_device_memory()  # a warm start on the GPU leaves the allocator's cache in this process
-    i = 1
-    while (root / f"run{i}").exists():  # an earlier bench's results stay: each invocation gets its own folder
-        i += 1
-    out = root / f"run{i}"
-    res: dict = {"steps": steps, "lags": list(lags), "dir": str(out)}
     runs = [("sync", 0)] + [(f"async_lag{lag}", lag) for lag in lags]
+    out, got = _bench_legs(recipe, "bench_async", [(n, recipe.mode, lag) for n, lag in runs], steps)
+    res: dict = {"steps": steps, "lags": list(lags), "dir": str(out)}
     for name, lag in runs:
-        r = recipe.model_copy(deep=True)
-        r.schedule.steps, r.schedule.max_lag, r.schedule.eval_every = steps, lag, 0
-        r.schedule.time_limit_s = 0.0  # every run does all its steps
-        r.logging.run_dir = str(out / name)
-        r.logging.wandb, r.logging.plots, r.logging.progress = False, False, False
-        r.checkpoint.every, r.checkpoint.load = 0, None
-        if not (r.run_dir / "base_model" / "config.json").exists():
-            shutil.copytree(shared, r.run_dir / "base_model", dirs_exist_ok=True)
-        # Each leg in a fresh process: the learner and allocator of one leg would otherwise still hold
-        # device memory when the next leg's vLLM engine checks the free memory at its start.
-        t0 = time.perf_counter()
-        leg = mp.get_context("spawn").Process(target=_bench_leg, args=(r.model_dump(),), name=f"rz-bench-{name}")
-        leg.start()
-        leg.join()
-        wall = time.perf_counter() - t0
-        if leg.exitcode != 0:
-            raise RuntimeError(f"rz bench async: the {name} run (max_lag={lag}) failed with exit code {leg.exitcode}; "
-                               f"its output is above, its run dir is {r.run_dir}")
-        rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
-        tr = [x for x in rows if "max_abs_dlogp" in x]
+        tr, wall = got[name]["rows"], got[name]["wall_s"]
         loop = sum(x["time_step"] for x in tr)
         mean = lambda key: sum(x.get(key, 0.0) for x in tr) / len(tr)  # noqa: E731
         res[name] = {"max_lag": lag, "updates": len(tr), "loop_s": loop, "updates_per_s": len(tr) / loop,
@@ -536,6 +548,46 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     (out / "bench_async.json").write_text(json.dumps(res, indent=1))
     print(f"{line}; {ratios}; weight sync {res['sync']['sync_bytes'] / 1e9:.3f} GB in "
           f"{res['sync']['time_sync_mean']:.3f} s (sync) / {res[runs[1][0]]['time_sync_mean']:.3f} s (async)", flush=True)
+    return res
+
+
+STEP_PARTS = ("time_rollout", "time_learner", "time_sync", "time_step")
+
+
+def step_split(rows: list[dict]) -> dict:
+    """Per-update medians of the RL step's parts over training rows of metrics.jsonl, the first
+    update left out when there are more (it pays one-off compilation and allocator growth):
+    rollout (what the learner waited for its batch), learner, weight sync, the whole step; with each
+    part's min-max over the updates kept."""
+    import statistics
+
+    use = rows[1:] if len(rows) > 1 else rows
+    out: dict = {"updates": len(rows), "updates_timed": len(use)}
+    for k in STEP_PARTS:
+        v = [float(x.get(k, 0.0)) for x in use]
+        out[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    return out
+
+
+def bench_step(recipe: Recipe, steps: int = 10) -> dict:
+    """The whole RL step, aligned vs fast, in one invocation: ``steps`` updates of each mode at the
+    recipe's max_lag from the same base model and seeds, each mode in a fresh process, one after the
+    other (never two on a device at once); per mode the per-update medians of rollout wait, learner,
+    weight sync and the whole step (:func:`step_split`), and aligned / fast for each. Written to a
+    new RUN_DIR/bench_step/run<i>/bench_step.json (earlier results are kept); prints one line."""
+    lag = recipe.schedule.max_lag
+    out, got = _bench_legs(recipe, "bench_step", [("aligned", "aligned", lag), ("fast", "fast", lag)], steps)
+    res: dict = {"steps": steps, "max_lag": lag, "dir": str(out), "arch": recipe.model.arch,
+                 "dtype": recipe.model.dtype, "cpu_count": os.cpu_count()}
+    for mode in ("aligned", "fast"):
+        res[mode] = {**step_split(got[mode]["rows"]), "wall_s": got[mode]["wall_s"]}
+    res["aligned_over_fast"] = {k.removeprefix("time_"): res["aligned"][k]["median"] / max(res["fast"][k]["median"], 1e-12)
+                                for k in STEP_PARTS}
+    (out / "bench_step.json").write_text(json.dumps(res, indent=1))
+    parts = ", ".join(f"{k} {res['aligned'][f'time_{k}']['median']:.3f} / {res['fast'][f'time_{k}']['median']:.3f} s "
+                      f"({v:.2f}x)" for k, v in res["aligned_over_fast"].items())
+    print(f"RL step, aligned / fast, median per update over {res['aligned']['updates_timed']} updates: {parts}",
+          flush=True)
     return res
 
 

@@ -1,4 +1,5 @@
-"""`rz bench rollout`: rollout step time, aligned vs fast, measured alternately in one run.
+"""`rz bench rollout`: rollout step time, aligned vs fast, measured alternately in one run
+(`rz bench step` and `rz bench async` run whole training legs: megatron_rz.loop.trainer).
 
 Both engines live side by side; each round generates the same prompts with the same seed on
 both, in alternating order (ABBA...), after one warm-up round. The machine is noisy, so the figure
@@ -63,6 +64,11 @@ def _cpu_kernels() -> str:
 
 
 def main_bench(recipe: Recipe, what: str, rounds: int, lags: tuple[int, ...] = (2,)) -> int:
+    if what == "step":
+        from megatron_rz.loop.trainer import bench_step
+
+        print(json.dumps(bench_step(recipe, recipe.schedule.steps)))
+        return 0
     if what == "async":
         from megatron_rz.loop.trainer import bench_async_vs_sync
 

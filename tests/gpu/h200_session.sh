@@ -10,6 +10,7 @@
 #          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
 #   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
 #   learner  the learner's train step aligned vs fast (benchmarks/learner_gpu.py; LEARNER_CONFIGS, LEARNER_PROFILE=1)
+#   step   `rz bench step recipes/gpu_moe.yaml`: the whole RL step aligned vs fast (rollout / learner / sync)
 #   verify_cost  the sync check's exact checksum per GB: per tensor vs the whole list at once (benchmarks/verify_cost.py)
 #   sampler  the sampler's host / GPU cost per call, stock vs aligned, fused epilogue on and off
 #          (benchmarks/sampler_host.py)
@@ -190,6 +191,13 @@ PYEOF
     verify_cost)
       # the every-parameter sync check's checksum: per tensor and the whole list at once (kernels.triton.bits)
       "$PY" benchmarks/verify_cost.py --device cuda --gb ${VERIFY_GB:-2} --out "$d/verify_cost.json" 2>&1 | tail -4 | tee "$d/summary.txt" ;;
+    step)
+      # the whole RL step, aligned vs fast, gpu_moe (GPU warm start), each mode in its own process
+      timeout -k 30 ${STEP_TIMEOUT:-540} rz bench step recipes/gpu_moe.yaml schedule.steps=${STEP_STEPS:-8} \
+        logging.run_dir=/root/runs/gpu_moe_bench_step logging.wandb=false ${STEP_EXTRA:-} > "$d/bench_step.log" 2>&1
+      echo "rc=$? bench step" | tee -a "$d/summary.txt"
+      grep -E "^RL step" "$d/bench_step.log" | tee -a "$d/summary.txt"
+      cp /root/runs/gpu_moe_bench_step/bench_step/run*/bench_step.json "$d/" 2>/dev/null ;;
     sampler)
       "$PY" benchmarks/sampler_host.py --out "$d/sampler_host.json" > "$d/sampler_host.log" 2>&1
       echo "rc=$? sampler" >> "$d/summary.txt"
