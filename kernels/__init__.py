@@ -20,6 +20,7 @@ _EXPORTS = {
     "linear_partial": "dispatch",
     "row_partials": "dispatch",
     "rms_norm": "dispatch",
+    "add_rms_norm": "dispatch",
     "apply_rope": "dispatch",
     "attention": "dispatch",
     "causal_attention": "dispatch",

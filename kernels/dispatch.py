@@ -45,7 +45,7 @@ from .settings import backend, set_backend
 
 __all__ = [
     "set_backend", "backend", "use_triton",
-    "linear", "linear_partial", "row_partials", "rms_norm", "apply_rope", "attention", "causal_attention",
+    "linear", "linear_partial", "row_partials", "rms_norm", "add_rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "moe_expert_rows", "lm_head_logits", "logprobs_from_logits", "log_softmax",
     "token_logprobs",
@@ -132,6 +132,20 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
         with torch.no_grad():
             return trms(x, weight, eps)
     return _grads.rms_norm(lambda x_, w_: trms(x_, w_, eps), x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: Optional[torch.Tensor],
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h, weight, eps))`` with ``h = x + delta``: a residual add and the norm after it.
+    Bitwise the two ops; on CUDA without gradients one fused launch (``kernels.triton.rmsnorm``)."""
+    if (use_triton(x) and x.dtype in _GPU_DTYPES and delta.dtype == x.dtype and delta.shape == x.shape
+            and not _needs_grad(x, delta, weight)):
+        from .triton.rmsnorm import add_rms_norm as tadd
+
+        with torch.no_grad():
+            return tadd(x, delta, weight, eps)
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
 
 
 # --------------------------------------------------------------------------------------- RoPE

@@ -510,8 +510,10 @@ def layer_forward(
     x = tap(f"layer{layer}.attn_norm", kernels.rms_norm(h, w("input_layernorm.weight"), c.rms_norm_eps))
     q, k, v = qkv_forward(c, w, x, cos, sin) if qkv is None else qkv(x, cos, sin)
     o = tap(f"layer{layer}.attention", attend(q, k, v))
-    h = h + tap(f"layer{layer}.attn_out", attn_output(c, w, o) if o_proj is None else o_proj(o))
-    x = tap(f"layer{layer}.mlp_norm", kernels.rms_norm(h, w("post_attention_layernorm.weight"), c.rms_norm_eps))
+    delta = tap(f"layer{layer}.attn_out", attn_output(c, w, o) if o_proj is None else o_proj(o))
+    # the residual add and the MLP's norm: one launch on the GPU, bitwise the two ops
+    h, x = kernels.add_rms_norm(h, delta, w("post_attention_layernorm.weight"), c.rms_norm_eps)
+    x = tap(f"layer{layer}.mlp_norm", x)
     y = mlp_forward(c, w, layer, x) if mlp is None else mlp(x)
     return tap(f"layer{layer}.output", h + tap(f"layer{layer}.mlp", y))
 

@@ -20,7 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "add_rms_norm"]
+
+
+@triton.jit
+def _norm_row(x32, w_ptr, offs, mask, D, eps, out_ty: tl.constexpr, HAS_W: tl.constexpr):
+    """The normed row (``out_ty``) of one fp32 row: the whole formula, shared by both kernels."""
+    ss = tl.sum(x32 * x32, axis=0)
+    ms = tl.math.div_rn(ss, D.to(tl.float32))
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    y = (x32 * inv).to(out_ty)
+    if HAS_W:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) * w).to(out_ty)
+    return y
 
 
 @triton.jit
@@ -31,15 +44,24 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, N1, strid
     mask = offs < D
     # input row ``row`` = (row // N1, row % N1) of a [.., N1, D] view with strides (stride_x, stride_x1)
     x = tl.load(x_ptr + (row // N1) * stride_x + (row % N1) * stride_x1 + offs, mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    ss = tl.sum(x32 * x32, axis=0)
-    ms = tl.math.div_rn(ss, D.to(tl.float32))
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    y = (x32 * inv).to(out_ptr.dtype.element_ty)
-    if HAS_W:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (y.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    y = _norm_row(x.to(tl.float32), w_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, HAS_W)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, D, stride_x, stride_d, eps,
+                        HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """h = x + d (fp32 add, rounded once to the dtype: torch's ``x + d``), stored; out = the norm
+    of the ROUNDED h through the same row function as _rmsnorm_kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * D + offs, h, mask=mask)
+    y = _norm_row(h.to(tl.float32), w_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, HAS_W)
+    tl.store(out_ptr + row * D + offs, y, mask=mask)
 
 
 def _num_warps(block_d: int) -> int:
@@ -65,3 +87,26 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
             x2, weight if weight is not None else x2, out, D, x2.stride(0), D, float(eps), n1, s1,
             HAS_W=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: Optional[torch.Tensor],
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h, weight))`` with ``h = x + delta`` in one launch (a residual add and the next
+    norm): bitwise ``h = x + delta`` then :func:`rms_norm` (the same row function over the rounded
+    ``h``); one read of each input, no second pass over ``h``. No autograd."""
+    if x.shape != delta.shape or x.dtype != delta.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and delta {tuple(delta.shape)} {delta.dtype}")
+    D = x.shape[-1]
+    x2, d2 = x.reshape(-1, D), delta.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if d2.stride(-1) != 1:
+        d2 = d2.contiguous()
+    h = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    R = x2.shape[0]
+    if R and D:
+        block_d = triton.next_power_of_2(D)
+        _add_rmsnorm_kernel[(R,)](x2, d2, weight if weight is not None else x2, h, out, D, x2.stride(0), d2.stride(0),
+                                  float(eps), HAS_W=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+    return h, out

@@ -227,6 +227,25 @@ def test_rmsnorm_invariance_and_accuracy(D, dtype):
     assert torch.allclose(yn.float().cpu(), cpu_rms_norm(pool.cpu(), None, 1e-6).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_residual_add_and_norm_is_bitwise_the_two_ops(dtype):
+    """kernels.add_rms_norm on the GPU: h is torch's ``x + delta`` (fp32 sum rounded to nearest
+    even once) and the norm is kernels.rms_norm of that h, bit for bit, for any row count."""
+    _need_cuda()
+    import kernels
+
+    for R, D in ((1, 2048), (7, 2048), (300, 1536), (64, 7168), (5, 100)):
+        x = _randn(R, D, seed=R + D, dtype=dtype) * 4
+        d = _randn(R, D, seed=R + D + 1, dtype=dtype)
+        w = (_randn(D, seed=D, dtype=torch.float32).abs() + 0.5).to(dtype)
+        h, y = kernels.add_rms_norm(x, d, w, 1e-6)
+        want = x + d
+        assert torch.equal(h, want), (R, D)
+        assert torch.equal(y, kernels.rms_norm(want, w, 1e-6)), (R, D)
+        h1, y1 = kernels.add_rms_norm(x[:1], d[:1], w, 1e-6)  # a row alone: the same bits
+        assert torch.equal(h1, h[:1]) and torch.equal(y1, y[:1]), (R, D)
+
+
 # -------------------------------------------------------------------------------------- logprobs
 
 

@@ -257,3 +257,37 @@ def test_gemm_segments_shorter_than_a_tile_in_the_interpreter():
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "interpreted short segments OK" in r.stdout
+
+
+CHILD_ADDNORM = r'''
+import torch
+from kernels.triton.rmsnorm import add_rms_norm, rms_norm
+
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for R, D in ((1, 64), (5, 100), (3, 1024)):
+        x = (torch.randn(R, D) * 3).to(dtype)
+        d = torch.randn(R, D).to(dtype)
+        w = (torch.rand(D) + 0.5).to(dtype)
+        h, y = add_rms_norm(x, d, w, 1e-6)
+        s32 = x.float() + d.float()
+        if dtype == torch.float32:
+            assert torch.equal(h, x + d), (R, D)  # torch's add
+        else:  # the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest: GPU test)
+            assert torch.equal(h, (s32.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)), (R, D)
+        assert torch.equal(y, rms_norm(h, w, 1e-6)), (dtype, R, D)  # the norm of the rounded sum
+        h0, y0 = add_rms_norm(x, d, None, 1e-6)
+        assert torch.equal(h0, h) and torch.equal(y0, rms_norm(h, None, 1e-6)), (dtype, R, D)
+print("interpreted add + norm OK")
+'''
+
+
+def test_fused_residual_add_and_norm_equals_the_two_ops_in_the_interpreter():
+    """The residual add fused into the next RMSNorm gives the add's bits and the norm of the rounded
+    sum (the same row function as the plain norm kernel)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CHILD_ADDNORM], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "interpreted add + norm OK" in r.stdout
