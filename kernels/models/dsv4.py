@@ -462,7 +462,7 @@ def _entries(c: V4Config, w: Getter, layer: int, kv: torch.Tensor, gate: torch.T
     ratio = c.compress_ratios[layer]
     pooled = kernels.compress_windows(kv, gate, w(prefix + "ape"), ratio, overlap=overlap).to(dtype)
     normed = kernels.rms_norm(pooled, w(prefix + "norm.weight"), c.rms_norm_eps)
-    pos = torch.arange(normed.shape[0]) * ratio
+    pos = torch.arange(normed.shape[0], device=normed.device) * ratio
     cos, sin = kernels.rope_cos_sin(pos, c.rope_dim, inv_freq=c.inv_freq_compress)
     return _rope_tail(normed.unsqueeze(1), cos, sin).squeeze(1)
 
@@ -483,7 +483,7 @@ def attend_sequence(c: V4Config, w: Getter, layer: int, state: dict, positions: 
         ckv, cgate = history[:, D : D + width], history[:, D + width : D + 2 * width]
         comp = _entries(c, w, layer, ckv, cgate, "attn.compressor.", kind == CSA, dtype)
         if kind == HCA:
-            keep = torch.arange(comp.shape[0])[None, :] < n_ready[:, None]
+            keep = torch.arange(comp.shape[0], device=comp.device)[None, :] < n_ready[:, None]
         else:
             o = D + 2 * width
             ikv, igate = history[:, o : o + 2 * Di], history[:, o + 2 * Di : o + 4 * Di]

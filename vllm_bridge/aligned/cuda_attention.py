@@ -16,6 +16,8 @@ metadata builder, which calls a CPU-only op). Selected for the aligned model cla
   what the learner computes for it over the whole sequence.
 * No host synchronisation: the metadata builder only forwards vLLM's device tensors and its host
   sizes (``num_reqs``, ``max_query_len``); the grid is a function of those alone.
+* DeepSeek-V4's per-token payload cache: ``rz_history_fn`` (the CPU backend's hook), one sequence
+  at a time, eager (the engine turns CUDA graphs off for those classes).
 * CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. Decode batches are captured as FULL graphs (the
   engine runs ``cudagraph_mode=FULL_DECODE_ONLY``); padded requests of a captured batch have no
   queries and do nothing. Prefill / mixed batches run eagerly: the grid depends on the batch's
@@ -101,7 +103,11 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
         # DeepSeek MLA in expanded form: V is stored zero-padded to the qk head size; attend over
         # the first rz_v_head_dim channels (see attention_backend's docstring).
         self.rz_v_head_dim = rz_v_head_dim
-        self.rz_history_fn = None  # the CPU backend's per-token payload hook (DeepSeek-V4): not on CUDA
+        # Set by a model for one call (aligned DeepSeek-V4, as on the CPU backend): instead of
+        # attention, each sequence's cached rows (K then V channels) go to fn(a, b, positions,
+        # history), which returns the output rows a:b. Eager only (host sizes read per sequence):
+        # the engine runs such models without CUDA graphs (engine.RolloutEngine).
+        self.rz_history_fn = None
 
     def _caches(self, kv_cache: torch.Tensor):
         D = kv_cache.shape[-1] // 2
@@ -119,10 +125,10 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
-        if self.rz_history_fn is not None:
-            raise NotImplementedError("aligned CUDA attention: per-token payload histories (DeepSeek-V4) are CPU only")
         if attn_metadata is None:  # profiling / warm-up run
             return output.zero_()
+        if self.rz_history_fn is not None:
+            return self._forward_history(query, kv_cache, attn_metadata, output)
         from kernels.triton.attn import paged_attention
 
         md: RZAlignedCudaMetadata = attn_metadata
@@ -136,6 +142,32 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
         paged_attention(query.view(query.shape[0], self.num_heads, -1), kc, vc[..., :dv], md.block_table,
                         md.query_start_loc, md.seq_lens, self.scale, max_q_len=md.max_query_len,
                         out=out[..., :dv], num_seqs=md.num_reqs)
+        return output
+
+
+    def _forward_history(self, query, kv_cache, md: "RZAlignedCudaMetadata", output) -> torch.Tensor:
+        """The per-token payload path (DeepSeek-V4): for each sequence, its cached rows 0..L-1
+        gathered from its blocks ([L, kv_heads * D] of K, then of V: the CPU backend's history
+        layout) and handed to ``rz_history_fn`` with the queries' positions ``L - n .. L - 1``."""
+        fn = self.rz_history_fn
+        kc, vc = self._caches(kv_cache)
+        _, kvh, bs, D = kc.shape
+        qsl = md.query_start_loc[: md.num_reqs + 1].tolist()
+        seq_lens = md.seq_lens[: md.num_reqs].tolist()
+        out = output.view(output.shape[0], -1)
+        out.zero_()
+        for i in range(md.num_reqs):
+            a, b = qsl[i], qsl[i + 1]
+            if b <= a:
+                continue
+            L = int(seq_lens[i])
+            nblk = (L + bs - 1) // bs
+            blocks = md.block_table[i, :nblk].to(torch.long)
+            k = kc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh * D)[:L]
+            v = vc[blocks].permute(0, 2, 1, 3).reshape(nblk * bs, kvh * D)[:L]
+            pos = torch.arange(L - (b - a), L, device=query.device)
+            o = fn(a, b, pos, torch.cat([k, v], dim=-1))
+            out[a:b, : o.shape[1]] = o.to(out.dtype)
         return output
 
 
