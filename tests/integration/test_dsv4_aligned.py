@@ -193,15 +193,19 @@ def test_learner_ep2_equals_ep1(small_ckpt, tmp_path):
 
 def test_train_end_to_end_stays_bitwise(tmp_path):
     """`rz train` on the shrunk tiny DSV4 recipe: real vLLM rollouts (aligned class), Megatron
-    learner updates (a 400-step warm start gets ~5% of samples right: 64 samples per step make an
-    update with non-zero advantage all but certain), weight sync each step, and the
-    rollout logprobs equal the learner's bitwise on every step."""
+    learner updates, weight sync each step, and the rollout logprobs equal the learner's bitwise on
+    every step. The updates need a non-zero advantage: overlong shaping over the whole response
+    (algo.overlong_buffer=7 of 8 new tokens: every response length its own reward) turns length
+    differences inside a group into reward differences, and after a 40-step warm start the model
+    ends its answers at varying lengths (measured: mean response length 2.5-3.6 tokens, grad norm
+    0.88-1.10 on every update), so 64 samples per step make a non-zero update all but certain
+    without the 400-step warm start that solving sums took (~100 s of the test)."""
     import json
 
     cmd = [sys.executable, "-m", "megatron_rz.cli", "train", str(ROOT / "recipes" / "tiny_dsv4.yaml"), *SMALL,
            f"logging.run_dir={tmp_path}", "logging.progress=false", "schedule.steps=3", "task.kwargs.few_shot=0",
-           "warm_start.steps=400", "warm_start.batch_size=64", "rollout.prompts_per_step=16",
-           "rollout.samples_per_prompt=4"]
+           "warm_start.steps=40", "warm_start.batch_size=64", "rollout.prompts_per_step=16",
+           "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "algo.overlong_buffer=7"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200,
                          env={**os.environ, "WANDB_MODE": "offline"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
