@@ -1,6 +1,7 @@
 """What the engine test modules share: CPU binding for vLLM-CPU workers and the one engine run
 (start, generate, score, in-place update, verify, generate and score again) that the TP, PP,
-DeepSeek-V4 and FP8 modules compare across layouts.
+DeepSeek-V4 and FP8 modules compare across layouts; and the learner layouts of a module run in one
+torchrun (parallel_checks: this file is also its worker).
 
 Importable as ``helpers`` (tests/ is on sys.path through tests/conftest.py).
 """
@@ -64,6 +65,57 @@ def engine_run(ckpt: str | Path, *, prompts, n_samples: int, max_new: int, seed:
             out["rescore"] = eng.score(seqs, temperature=score_temperature)  # the same sequences, new weights
     out["total_s"] = time.perf_counter() - t0
     return out
+
+
+def parallel_checks(jobs: list[dict], out_dir: str | Path, nproc: int = 2, timeout: int = 600) -> list[dict]:
+    """``megatron_rz.learner.parallel_check.run_check`` once per job, in order, in ONE torchrun of
+    ``nproc`` gloo ranks (this file is the worker); rank 0's result dicts in job order.
+
+    A job is run_check's keyword arguments (hf_dir, tp, ep, overrides, steps, mode, recipe_path,
+    save_after, save_dir, load_dir; world_size is the launch's). Each job builds its own Learner from
+    its checkpoint (megatron_rz.learner.model.init_parallel rebuilds Megatron's groups when the layout
+    changes and re-seeds), so a job computes what it computes in a launch of its own; the ranks'
+    start-up (interpreter, torch, Megatron, gloo: most of a small job's time) is paid once."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "jobs.json"
+    spec.write_text(json.dumps([dict(job, out=str(out_dir / f"job{i}.pt")) for i, job in enumerate(jobs)], default=str))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", __file__,
+           "--parallel-check-jobs", str(spec)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out_dir / f"job{i}.pt", weights_only=False) for i in range(len(jobs))]
+
+
+def _parallel_check_worker(spec: str) -> None:
+    """The torchrun side of :func:`parallel_checks`."""
+    import gc
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rz.learner.parallel_check import run_check
+
+    world = int(os.environ["WORLD_SIZE"])
+    for job in json.loads(Path(spec).read_text()):
+        out = job.pop("out")
+        result = run_check(world_size=world, **job)
+        if dist.get_rank() == 0:
+            torch.save(result, out)
+        del result
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def redraw(ckpt_dir: str | Path, seed: int, draw) -> None:
@@ -149,3 +201,10 @@ def assert_generate_and_prompt_logprobs(llm, prompts, *, n_samples: int, max_new
             assert torch.equal(torch.tensor([pl[j][seq[j]].logprob for j in range(1, len(seq))]), want[1:])
             n_gen, n_pl = n_gen + len(ids), n_pl + len(seq) - 1
     return n_gen, n_pl
+
+
+if __name__ == "__main__":  # python -m torch.distributed.run ... tests/helpers.py --parallel-check-jobs FILE
+    import sys
+
+    if sys.argv[1:2] == ["--parallel-check-jobs"]:
+        _parallel_check_worker(sys.argv[2])

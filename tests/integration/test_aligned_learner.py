@@ -209,14 +209,57 @@ def tp1(ckpts):
             for arch, (d, _) in ckpts.items()}
 
 
+QWEN2 = REPO / "recipes/tiny_qwen2.yaml"
+
+
+@pytest.fixture(scope="module")
+def qwen2_ckpt(tmp_path_factory):
+    """recipes/tiny_qwen2.yaml's random checkpoint with non-zero q/k/v biases (transformers
+    initialises them to zero)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rz.learner.tiny_models import make_random_checkpoint
+
+    d = tmp_path_factory.mktemp("qwen2")
+    make_random_checkpoint(load_recipe(str(QWEN2)), d, seed=0)
+    sd = load_file(str(d / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    for k in sd:
+        if k.endswith(".bias"):
+            sd[k] = torch.randn(sd[k].shape, generator=g) * 0.5
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+LAYOUTS = {"tp2": (2, 1), "ep2": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ckpts, qwen2_ckpt, tmp_path_factory):
+    """The 2-rank learners the tests below compare, from ONE torchrun (helpers.parallel_checks; one
+    launch each cost the ranks' start-up five times): each arch at TP=2 and at EP=2, and dense Qwen2
+    at TP=2, one aligned train step each."""
+    from helpers import parallel_checks
+
+    jobs = [dict(hf_dir=str(ckpts[arch][0]), tp=tp, ep=ep, steps=1, mode="aligned", recipe_path=str(RECIPES[arch]))
+            for arch in ARCHS for tp, ep in LAYOUTS.values()]
+    jobs.append(dict(hf_dir=str(qwen2_ckpt), tp=2, ep=1, steps=1, mode="aligned", recipe_path=str(QWEN2)))
+    res = parallel_checks(jobs, tmp_path_factory.mktemp("two_ranks"))
+    out = {(arch, name): res[i * len(LAYOUTS) + j] for i, arch in enumerate(ARCHS) for j, name in enumerate(LAYOUTS)}
+    out["qwen2"] = res[-1]
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
-def test_aligned_parallel_layout_bitwise(ckpts, tp1, reference, tmp_path, arch, tp, ep):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_aligned_parallel_layout_bitwise(ckpts, tp1, two_ranks, reference, arch, layout):
     from megatron_rz.learner.parallel_check import fixed_batch
 
+    tp, ep = LAYOUTS[layout]
     d, recipe = ckpts[arch]
     base = tp1[arch]
-    got = _torchrun(RECIPES[arch], d, tp, ep, tmp_path / "out.pt")
+    got = two_ranks[(arch, layout)]
+    assert (got["layout"]["tp"], got["layout"]["ep"], got["layout"]["mode"]) == (tp, ep, "aligned")
     ids, _, _ = fixed_batch(recipe.model.vocab_size)
     ref = reference(str(d), None, ids, 1.0)
     gn = abs(got["metrics"][0]["grad_norm"] - base["metrics"][0]["grad_norm"]) / base["metrics"][0]["grad_norm"]
@@ -264,26 +307,16 @@ def test_aligned_bf16_model_equals_reference(ckpts, reference, arch):
 # ------------------------------------------------------------------ (f) dense Qwen2 at TP=2
 
 
-def test_aligned_qwen2_tp2_bitwise(tmp_path, reference):
+def test_aligned_qwen2_tp2_bitwise(qwen2_ckpt, two_ranks, reference):
     """Dense Qwen2 (recipes/tiny_qwen2.yaml; q/k/v biases non-zero): the TP=1 learner equals the
     reference, the TP=2 learner (fused linear_qkv weight AND bias split by query group) equals TP=1
     bitwise; one update later the two layouts still agree to fp32 rounding (gradient reductions)."""
-    from safetensors.torch import load_file, save_file
-
     from megatron_rz.learner.parallel_check import fixed_batch, run_check
-    from megatron_rz.learner.tiny_models import make_random_checkpoint
 
-    path = REPO / "recipes/tiny_qwen2.yaml"
-    d = tmp_path / "qwen2"
-    make_random_checkpoint(load_recipe(str(path)), d, seed=0)
-    sd = load_file(str(d / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    for k in sd:
-        if k.endswith(".bias"):  # transformers initialises them to zero
-            sd[k] = torch.randn(sd[k].shape, generator=g) * 0.5
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    base = run_check(str(d), 1, 1, world_size=1, steps=1, mode="aligned", recipe_path=str(path))
-    got = _torchrun(path, d, 2, 1, tmp_path / "out.pt")
+    d = qwen2_ckpt
+    base = run_check(str(d), 1, 1, world_size=1, steps=1, mode="aligned", recipe_path=str(QWEN2))
+    got = two_ranks["qwen2"]
+    assert (got["layout"]["tp"], got["layout"]["mode"]) == (2, "aligned")
     ids, _, _ = fixed_batch(64)
     ref = reference(str(d), None, ids, 1.0)
     assert torch.equal(base["logprobs_before"], ref)

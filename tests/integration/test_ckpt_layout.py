@@ -74,11 +74,17 @@ def _run(learner, r, load=None, pre: int = 0, save=None, post: int = 1) -> dict:
 
 
 def worker(argv=None) -> None:
+    """One job (the arguments below), or with --jobs FILE each job in FILE (a JSON list of argument
+    lists) in order, in this launch: each builds its own Learner (init_parallel rebuilds Megatron's
+    groups when the layout changes), so a job computes what it would in a launch of its own."""
+    import json
+
     import torch.distributed as dist
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--hf", required=True)
+    ap.add_argument("--jobs")
+    ap.add_argument("--hf")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--distopt", action="store_true")
@@ -86,25 +92,33 @@ def worker(argv=None) -> None:
     ap.add_argument("--save")
     ap.add_argument("--pre", type=int, default=0)
     ap.add_argument("--post", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    learner, r = _learner(a.hf, a.tp, a.ep, int(os.environ["WORLD_SIZE"]), a.distopt)
-    out = _run(learner, r, a.load, a.pre, a.save, a.post)
-    if dist.get_rank() == 0:
-        torch.save(out, a.out)
-    dist.barrier()
+    ap.add_argument("--out")
+    first = ap.parse_args(argv)
+    jobs = [ap.parse_args(j) for j in json.loads(Path(first.jobs).read_text())] if first.jobs else [first]
+    for a in jobs:
+        learner, r = _learner(a.hf, a.tp, a.ep, int(os.environ["WORLD_SIZE"]), a.distopt)
+        out = _run(learner, r, a.load, a.pre, a.save, a.post)
+        if dist.get_rank() == 0:
+            torch.save(out, a.out)
+        del learner, out
+        dist.barrier()
     dist.destroy_process_group()
+
+
+def _launch(tmp_path, *args) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__,
+           "--worker", *map(str, args)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 def _torchrun(tmp_path, name, *args) -> dict:
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__,
-           "--worker", "--out", str(out), *map(str, args)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _launch(tmp_path, "--out", out, *args)
     return torch.load(out, weights_only=False)
 
 
@@ -149,14 +163,31 @@ def hf(tmp_path_factory):
     return d
 
 
-def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path, hf):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, hf) -> dict:
+    """The two tests' first two-rank runs (independent: both start from the HF checkpoint), in ONE
+    torchrun (the ranks' start-up paid once): TP=2/EP=2 with a plain optimizer and dp=2 x EP=2 with
+    the distributed optimizer, each 1 update, checkpoint, 1 more update (the reference). The
+    two-rank resumes that follow a one-rank save run in launches of their own, in the tests."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    jobs = {"tp2ep2": ["--tp", 2, "--ep", 2], "dp2ep2_distopt": ["--tp", 1, "--ep", 2, "--distopt"]}
+    argv = [[str(x) for x in ["--hf", hf, *layout, "--pre", 1, "--save", tmp / name, "--post", 1, "--out",
+                              tmp / f"{name}.pt"]] for name, layout in jobs.items()]
+    (tmp / "jobs.json").write_text(json.dumps(argv))
+    _launch(tmp, "--jobs", tmp / "jobs.json")
+    return {name: (torch.load(tmp / f"{name}.pt", weights_only=False), tmp / name) for name in jobs}
+
+
+def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path, hf, two_ranks):
     from megatron_rz.manifest import verify_checkpoint
 
     t0 = time.time()
-    a, a2, c, c2 = (tmp_path / n for n in ("a_tp2ep2", "a_resaved_tp1", "c_tp1", "c_resaved_tp2ep2"))
+    a2, c, c2 = (tmp_path / n for n in ("a_resaved_tp1", "c_tp1", "c_resaved_tp2ep2"))
 
     # TP=2/EP=2 on two ranks: 1 update, checkpoint A, 1 more update (the reference)
-    two = _torchrun(tmp_path, "two", "--hf", hf, "--tp", 2, "--ep", 2, "--pre", 1, "--save", a, "--post", 1)
+    two, a = two_ranks["tp2ep2"]
     assert verify_checkpoint(a) is None and sorted(p.name for p in a.glob("__*.distcp"))[0].startswith("__0_")
     assert {p.name.split("_")[2] for p in a.glob("__*.distcp")} == {"0", "1"}  # both ranks wrote shards
 
@@ -182,14 +213,13 @@ def test_tp2_ep2_checkpoint_resumes_at_tp1_and_back(tmp_path, hf):
           f"{m['loss']!r} / {ref_c['loss']!r} equal, logprobs torch.equal; {time.time() - t0:.0f} s")
 
 
-def test_distributed_optimizer_checkpoint_reshards_and_refusals(tmp_path, hf):
+def test_distributed_optimizer_checkpoint_reshards_and_refusals(tmp_path, hf, two_ranks):
     """parallel.distributed_optimizer=true at dp=2 x ep=2 (both parameter families sharded ZeRO-1)
     resumes at one rank with its fp32 main params and moments (every tensor bitwise after a re-save);
     a plain-optimizer learner and an old per-rank checkpoint are refused with one line."""
     t0 = time.time()
-    a, a2 = tmp_path / "d_dp2ep2", tmp_path / "d_resaved_tp1"
-    two = _torchrun(tmp_path, "two", "--hf", hf, "--tp", 1, "--ep", 2, "--distopt", "--pre", 1, "--save", a,
-                    "--post", 1)
+    a2 = tmp_path / "d_resaved_tp1"
+    two, a = two_ranks["dp2ep2_distopt"]  # dp=2 x EP=2, distributed optimizer: 1 update, checkpoint A, 1 more
     learner, r = _learner(hf, 1, 1, 1, distopt=True)
     one = _run(learner, r, load=a, save=a2, post=1)
     assert _equal_weights(one["weights_loaded"], two["weights_saved"])

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -71,28 +69,31 @@ def _cfg(d: Path) -> dict:
     return dict(json.loads((d / "config.json").read_text()), rz_fp8="blockwise")
 
 
-def _torchrun(d: Path, tp: int, sets: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--standalone",
-           "-m", "megatron_rz.learner.parallel_check", "--recipe", str(RECIPE), "--mode", "aligned",
-           "--hf-dir", str(d), "--tp", str(tp), "--ep", "1", "--out", str(out), "--steps", "1"]
-    cmd += [a for kv in sets for a in ("--set", kv)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out, weights_only=False)
+@pytest.fixture(scope="module")
+def tp_runs(ckpts, tmp_path_factory):
+    """Per TP size, both variants' learners (one train step each) from ONE torchrun of tp ranks
+    (helpers.parallel_checks: the ranks' start-up paid once, not once per variant)."""
+    from helpers import parallel_checks
+
+    out = {}
+    for tp in TPS:
+        t0 = time.perf_counter()
+        jobs = [dict(hf_dir=str(ckpts[name]), tp=tp, ep=1, overrides=WIDE + VARIANTS[name], steps=1, mode="aligned",
+                     recipe_path=str(RECIPE)) for name in VARIANTS]
+        for name, res in zip(VARIANTS, parallel_checks(jobs, tmp_path_factory.mktemp(f"tp{tp}"), nproc=tp, timeout=800)):
+            out[(name, tp)] = res
+        REPORT[f"tp={tp} torchrun_s (both variants)"] = round(time.perf_counter() - t0, 1)
+    return out
 
 
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fp8_dsv3_learner_tp_equals_reference_and_tp1(ckpts, tp1, tmp_path, variant, tp):
+def test_fp8_dsv3_learner_tp_equals_reference_and_tp1(ckpts, tp1, tp_runs, variant, tp):
     from kernels.models.qwen3_dsv3 import reference_logprobs
     from megatron_rz.learner.parallel_check import fixed_batch
 
     d = ckpts[variant]
-    t0 = time.perf_counter()
-    res = _torchrun(d, tp, WIDE + VARIANTS[variant], tmp_path / "out.pt")
-    REPORT[f"{variant} tp={tp} torchrun_s"] = round(time.perf_counter() - t0, 1)
+    res = tp_runs[(variant, tp)]
     assert res["layout"]["tp"] == tp and res["layout"]["mode"] == "aligned"
     ids, mask, _ = fixed_batch(64)
     m = mask.bool()

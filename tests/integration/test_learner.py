@@ -139,12 +139,36 @@ def baselines(ckpts):
     return {arch: run_check(str(d), 1, 1, OVERRIDES[arch], world_size=1) for arch, (d, _) in ckpts.items()}
 
 
+LAYOUTS = {"tp2": (2, 1), "ep2": (1, 2)}
+DISTOPT = ["parallel.distributed_optimizer=true"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ckpts, tmp_path_factory):
+    """What the 2-rank tests below compare, from ONE torchrun (helpers.parallel_checks; one launch
+    per layout cost the ranks' start-up five times): every arch at TP=2 and at EP=2, then the
+    distributed optimizer's two steps at dp=2 x ep=2 with its checkpoint after step 1 (the resume
+    from that checkpoint runs in a fresh launch of its own, in the test)."""
+    from helpers import parallel_checks
+
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    jobs = [dict(hf_dir=str(ckpts[arch][0]), tp=tp, ep=ep, overrides=OVERRIDES[arch])
+            for arch in ARCHS for tp, ep in LAYOUTS.values()]
+    jobs.append(dict(hf_dir=str(ckpts["qwen3_moe"][0]), tp=1, ep=2, overrides=DISTOPT, save_after=1,
+                     save_dir=str(tmp / "distopt_ckpt")))
+    res = parallel_checks(jobs, tmp)
+    out = {(arch, name): res[i * len(LAYOUTS) + j] for i, arch in enumerate(ARCHS) for j, name in enumerate(LAYOUTS)}
+    out["distopt"], out["distopt_ckpt"] = res[-1], tmp / "distopt_ckpt"
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
-def test_parallel_layout_matches_single_process(ckpts, baselines, tmp_path, arch, tp, ep):
-    d, _ = ckpts[arch]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layout_matches_single_process(baselines, two_ranks, arch, layout):
+    tp, ep = LAYOUTS[layout]
     base = baselines[arch]
-    got = _torchrun(d, tp, ep, tmp_path / "out.pt", OVERRIDES[arch])
+    got = two_ranks[(arch, layout)]
+    assert got["layout"]["tp"] == tp and got["layout"]["ep"] == ep
     lp0 = (got["logprobs_before"] - base["logprobs_before"]).abs().max().item()
     lp1 = (got["logprobs_after"] - base["logprobs_after"]).abs().max().item()
     assert set(got["weights"]) == set(base["weights"])
@@ -226,17 +250,17 @@ def test_checkpoint_round_trip(ckpts, tmp_path):
 # ------------------------------------------------------------------ (d) distributed optimizer
 
 
-def test_distributed_optimizer_matches_and_resumes_exactly(ckpts, baselines, tmp_path):
+def test_distributed_optimizer_matches_and_resumes_exactly(ckpts, baselines, two_ranks, tmp_path):
     """parallel.distributed_optimizer=true (Megatron's ZeRO-1 DistributedOptimizer on gloo): dp=2 with
     ep=2, so both the dense and the expert parameter families are sharded optimizers. Two steps
     agree with one process to fp32 reduction order; a checkpoint written after step 1 (dist_checkpointing:
-    fp32 params and Adam moments in model space) and resumed for step 2 gives the uninterrupted run's
-    weights bit for bit."""
+    fp32 params and Adam moments in model space) and resumed for step 2, in a fresh 2-rank launch,
+    gives the uninterrupted run's weights bit for bit."""
     d, _ = ckpts["qwen3_moe"]
     base = baselines["qwen3_moe"]
-    ov = ["parallel.distributed_optimizer=true"]
-    ck = tmp_path / "ckpt"
-    full = _torchrun(d, 1, 2, tmp_path / "full.pt", ov, extra=["--save-after", "1", "--save-dir", str(ck)])
+    ov = DISTOPT
+    ck = two_ranks["distopt_ckpt"]
+    full = two_ranks["distopt"]  # the two steps, with the checkpoint after step 1 (--save-after 1)
     assert full["optimizers"] == ["DistributedOptimizer", "DistributedOptimizer"], full["optimizers"]
     wd = max((full["weights"][k].float() - base["weights"][k].float()).abs().max().item() for k in base["weights"])
     assert wd < 1e-5
