@@ -8,10 +8,16 @@ through the in-process transport, and a byte flipped on the way (in a tensor dra
 weighted by size, after the learner-side checksum was taken) is caught every time. Needs CUDA vLLM
 (docs/gpu.md); skipped otherwise."""
 
+import os
+
 import pytest
 import torch
 
 from gpu_util import have_cuda_vllm, need_cuda
+
+# the engine's processes must not fork this one once it has touched CUDA (measured 2026-12-06 on an
+# H100: the engine core died with "Cannot re-initialize CUDA in forked subprocess")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 pytestmark = pytest.mark.gpu
 

@@ -248,6 +248,27 @@ def test_grouped_linear_matches_dense():
             assert torch.equal(y[i:i + 1], linear(x[i:i + 1], w[int(eid[i])], k_segments=segs))
 
 
+@pytest.mark.parametrize("K,segs", [(64, 8), (200, 8), (48, 2)])
+def test_grouped_linear_segments_shorter_than_a_tile(K, segs):
+    """An expert's row-parallel segments of 6..25 columns (tiny_dsv3's 64-wide expert down_proj in 8
+    segments): 16-wide tiles masked at each segment's end, every row bitwise the dense Triton GEMM of
+    its expert at the same segmentation, at any number of rows."""
+    _need_cuda()
+    moe = _mod("moe")
+    from kernels.triton import linear
+
+    E, N = 5, 40
+    x = _randn(300, K, seed=K + 20)
+    w = _randn(E, N, K, seed=K + 21, scale=K ** -0.5)
+    eid = torch.randint(0, E, (300,), device="cuda", generator=_gen(K + 22))
+    full = moe.grouped_linear(x, w, eid, k_segments=segs)
+    for R in (1, 7, 300):
+        y = moe.grouped_linear(x[:R].contiguous(), w, eid[:R].contiguous(), k_segments=segs)
+        assert torch.equal(y, full[:R]), f"R={R}"
+    for i in (0, 1, 150, 299):
+        assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w[int(eid[i])], k_segments=segs))
+
+
 def test_swiglu_and_combine_vs_cpu():
     _need_cuda()
     moe = _mod("moe")

@@ -243,6 +243,15 @@ for K, segs in ((128, 16), (200, 8), (48, 2)):
     # (a segment masked at K instead of its own end would count the next segment's columns twice)
     assert (y - acc).abs().max() < 1e-5, (K, segs)
     assert (y.double() - x.double() @ w.double().T).abs().max() < 1e-5, (K, segs)
+from kernels.triton.moe import grouped_linear
+# the same for an expert's segments in the grouped GEMM (tiny_dsv3: 64-wide down_proj, 8 segments)
+for K, segs in ((64, 8), (200, 8), (48, 2)):
+    w = torch.randn(3, 24, K) * K ** -0.5
+    x = torch.randn(7, K)
+    ids = torch.tensor([0, 2, 1, 0, 2, 2, 1])
+    y = grouped_linear(x, w, ids, k_segments=segs)
+    exact = torch.stack([x[i].double() @ w[int(ids[i])].double().T for i in range(7)])
+    assert (y.double() - exact).abs().max() < 1e-5, ("grouped", K, segs)
 print("interpreted short segments OK")
 '''
 
@@ -250,7 +259,7 @@ print("interpreted short segments OK")
 def test_gemm_segments_shorter_than_a_tile_in_the_interpreter():
     """A K segment that does not fill a 16-wide tile is masked at its own end (not at K): each
     segment sums only its columns, and the segments add up to the full product (values; the GPU
-    test checks the bits)."""
+    test checks the bits). The same for the grouped expert GEMM."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", CHILD_SEG], env=env, cwd=ROOT, capture_output=True, text=True,
