@@ -139,8 +139,7 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         if self.COMPACT_CACHE:
             from .dsv4_cache import CompactCache
 
-            self.rz_cache = CompactCache(c, dtype, self.cache_config, RZAlignedAttentionBackend,
-                                         int(self.cache_config.block_size or 128))
+            self.rz_cache = CompactCache(c, dtype, self.cache_config, RZAlignedAttentionBackend)
         for i in range(c.num_layers if not self.COMPACT_CACHE else 0):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
                 num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,

@@ -34,11 +34,10 @@ WINDOW = "rz_cache.0.window"  # vLLM wants one integer in a cache layer name (it
 ENTRIES = "rz_cache.1.entries"
 
 
-def layout_of(c: R.V4Config, dtype: torch.dtype, block_size: int) -> CacheLayout:
-    """The compact layout of config ``c`` in ``dtype`` (entries cache blocks of ``block_size`` tokens)."""
+def layout_of(c: R.V4Config, dtype: torch.dtype) -> CacheLayout:
+    """The compact layout of config ``c`` in ``dtype`` (what the planner computes from the recipe)."""
     return aligned_layout(head_dim=c.head_dim, index_head_dim=c.index_head_dim, compress_ratios=c.compress_ratios,
-                          sliding_window=c.sliding_window, dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
-                          block_size=block_size)
+                          sliding_window=c.sliding_window, dtype_bytes=torch.empty(0, dtype=dtype).element_size())
 
 
 class _Rows:
@@ -68,12 +67,12 @@ class _Rows:
 class CompactCache(nn.Module):
     """The two cache layers of one aligned V4 model (module docstring)."""
 
-    def __init__(self, c: R.V4Config, dtype: torch.dtype, cache_config, backend, block_size: int) -> None:
+    def __init__(self, c: R.V4Config, dtype: torch.dtype, cache_config, backend) -> None:
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
         self.c = c
-        self.layout = layout_of(c, dtype, block_size)
+        self.layout = layout_of(c, dtype)
         L = self.layout
 
         def layer(row: int, prefix: str, window: Optional[int]) -> Attention:
