@@ -22,6 +22,7 @@ rows of its own windows only, so they are the bits the learner's whole-sequence 
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -72,12 +73,19 @@ class CompactCache(nn.Module):
         from vllm.model_executor.layers.attention import Attention
 
         self.c = c
+        self.cache_config = cache_config
         self.layout = layout_of(c, dtype)
         L = self.layout
 
+        # Attention falls back to the model's sliding window (cache_config.sliding_window, from the
+        # checkpoint's config) when a layer names none: the entries cache must keep every block.
+        full = copy.copy(cache_config)
+        full.sliding_window = None
+
         def layer(row: int, prefix: str, window: Optional[int]) -> Attention:
             heads = row // (2 * HEAD)
-            return Attention(num_heads=heads, head_size=HEAD, scale=1.0, num_kv_heads=heads, cache_config=cache_config,
+            return Attention(num_heads=heads, head_size=HEAD, scale=1.0, num_kv_heads=heads,
+                             cache_config=cache_config if window else full,
                              quant_config=None, prefix=prefix, attn_backend=backend, per_layer_sliding_window=window)
 
         self.window = layer(L.window_row, WINDOW, L.window_tokens)
@@ -108,6 +116,11 @@ class CompactCache(nn.Module):
             meta_e, kv_e, _ = vllm_compat.attention_context(ENTRIES)
             ent = _Rows(kv_e, L.entries_row)
             es, stripe = L.entry_cols[i]
+            if ent.bs % r and getattr(self.cache_config, "enable_prefix_caching", False):
+                # an entry straddling two blocks could be rewritten by another request sharing the first
+                raise ValueError(f"aligned DeepSeek-V4: entries cache block_size={ent.bs} is not a multiple of compress "
+                                 f"ratio {r} with prefix caching on: set block_size to a multiple of {r}, or "
+                                 "enable_prefix_caching=False")
         qsl = meta_w.query_start_loc.tolist()
         seq_lens = meta_w.seq_lens.tolist()
         D = c.head_dim
