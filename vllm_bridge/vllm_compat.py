@@ -27,6 +27,12 @@ What differs, and why:
    prefix cache: on 0.26 the engine's version is the one RolloutEngine records, and the in-flight
    swap of streaming.py (which needs per-step labels) is not available.
 
+5. *A cache layer read and written by the model itself* (the aligned DeepSeek-V4 class's window and
+   entries caches, vllm_bridge/aligned/dsv4_cache.py): :func:`attention_context` returns the layer's
+   metadata (query_start_loc, seq_lens, block_table of its KV cache group), its cache tensor and its
+   slot mapping, from vLLM 0.32's ``get_attention_context``; vLLM 0.26 has no such helper and keeps
+   the same three in the forward context, read directly.
+
 Nothing here imports CUDA-only or CPU-only vLLM modules at import time.
 """
 
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_cuda", "can_label_weight_versions", "set_weight_version", "vllm_version", "aligned_attention_backend", "aligned_backend_path",
+__all__ = ["attention_context", "is_cuda", "can_label_weight_versions", "set_weight_version", "vllm_version", "aligned_attention_backend", "aligned_backend_path",
            "aligned_engine_kwargs"]
 
 CPU_BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
@@ -93,3 +99,27 @@ def aligned_engine_kwargs(*, cuda_graphs: bool = True) -> dict[str, Any]:
         "enable_chunked_prefill": True,
         "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
     }
+
+
+def attention_context(layer_name: str):
+    """``(metadata or None, kv_cache tensor, slot_mapping or None)`` of the attention layer
+    ``layer_name`` in the current forward pass (item 5). Metadata is None on vLLM's profiling run."""
+    try:
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+    except ImportError:  # vLLM 0.26
+        get_attention_context = None
+    if get_attention_context is not None:
+        meta, layer, kv_cache, slots = get_attention_context(layer_name)
+        return meta, kv_cache, slots
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    meta = ctx.attn_metadata
+    if isinstance(meta, list):
+        meta = meta[0]
+    if isinstance(meta, dict):
+        meta = meta.get(layer_name)
+    layer = ctx.no_compile_layers[layer_name]
+    kv_cache = layer.kv_cache[ctx.virtual_engine] if isinstance(layer.kv_cache, list) else layer.kv_cache
+    slots = getattr(meta, "slot_mapping", None)
+    return meta, kv_cache, slots

@@ -638,6 +638,24 @@ class WeightSyncExtension:
         """{parameter name: shape} of this worker's model (a tensor-parallel worker's shards)."""
         return {n: list(p.shape) for n, p in self.model_runner.get_model().named_parameters()}
 
+    def rz_kv_cache_layers(self) -> dict[str, dict]:
+        """{cache layer name: {spec, sliding_window, block_size, bytes_per_token}} of this worker's
+        attention layers: the spec class vLLM allocated from, and the bytes of its cache tensor per
+        token slot (tensor bytes / (blocks x block size))."""
+        from vllm.model_executor.layers.attention import Attention
+
+        out = {}
+        for _, mod in self.model_runner.get_model().named_modules():
+            if not isinstance(mod, Attention):
+                continue
+            spec = mod.get_kv_cache_spec(self.vllm_config)
+            kv = mod.kv_cache[0] if isinstance(mod.kv_cache, (list, tuple)) else mod.kv_cache
+            slots = kv.shape[0] * kv.shape[2] if kv.dim() == 4 else 0
+            out[mod.layer_name] = {"spec": type(spec).__name__, "sliding_window": getattr(spec, "sliding_window", None),
+                                   "block_size": int(kv.shape[2]) if kv.dim() == 4 else 0,
+                                   "bytes_per_token": kv.numel() * kv.element_size() / slots if slots else 0.0}
+        return out
+
     # ---- scoring helpers -----------------------------------------------------------------------
     def rz_set_logit_scale(self, factor: float) -> float:
         """Multiply the model's LogitsProcessor scale by ``factor`` (1/T for score at temperature

@@ -456,15 +456,58 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
 
 
 def _entries(c: V4Config, w: Getter, layer: int, kv: torch.Tensor, gate: torch.Tensor, prefix: str,
-             overlap: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Compressed entries ``[S // ratio, d]`` of one sequence: pooled, normed, RoPE at the window's
-    first position (compress base)."""
+             overlap: bool, dtype: torch.dtype, first: int = 0) -> torch.Tensor:
+    """Compressed entries of one sequence: pooled, normed, RoPE at the window's first position
+    (compress base). ``kv, gate`` are the rows from token ``ratio * first`` on (``ratio * (first - 1)``
+    with ``overlap`` and ``first > 0``: the predecessor window entry ``first`` also pools); the
+    result is entries ``first, first + 1, ..`` of the sequence, one per complete window, each bitwise
+    what the whole sequence gives (every op is per entry)."""
     ratio = c.compress_ratios[layer]
     pooled = kernels.compress_windows(kv, gate, w(prefix + "ape"), ratio, overlap=overlap).to(dtype)
+    if overlap and first > 0:
+        pooled = pooled[1:]  # the predecessor window: its own predecessor is not in these rows
     normed = kernels.rms_norm(pooled, w(prefix + "norm.weight"), c.rms_norm_eps)
-    pos = torch.arange(normed.shape[0], device=normed.device) * ratio
+    pos = (torch.arange(normed.shape[0], device=normed.device) + first) * ratio
     cos, sin = kernels.rope_cos_sin(pos, c.rope_dim, inv_freq=c.inv_freq_compress)
     return _rope_tail(normed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def layer_entries(c: V4Config, w: Getter, layer: int, rows: torch.Tensor, dtype: torch.dtype,
+                  first: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(entries [n, D], index keys [n, Di] or None)`` of a compressed layer from payload ``rows``
+    (``>= payload_width`` columns) starting at token ``ratio * first`` (compressed sparse layers,
+    ``first > 0``: ``ratio * (first - 1)``): entries ``first ..`` of the complete windows in them."""
+    D, Di = c.head_dim, c.index_head_dim
+    kind = c.layer_kinds[layer]
+    width = 2 * D if kind == CSA else D
+    ckv, cgate = rows[:, D : D + width], rows[:, D + width : D + 2 * width]
+    comp = _entries(c, w, layer, ckv, cgate, "attn.compressor.", kind == CSA, dtype, first)
+    if kind != CSA:
+        return comp, None
+    o = D + 2 * width
+    ikv, igate = rows[:, o : o + 2 * Di], rows[:, o + 2 * Di : o + 4 * Di]
+    return comp, _entries(c, w, layer, ikv, igate, "attn.indexer.compressor.", True, dtype, first)
+
+
+def attend_entries(c: V4Config, w: Getter, layer: int, state: dict, positions: torch.Tensor, keys: torch.Tensor,
+                   comp: Optional[torch.Tensor], index_keys: Optional[torch.Tensor]) -> torch.Tensor:
+    """Queries of ONE sequence against its per-token ``keys[L, D]`` (row j = position j; rows outside
+    every query's window may be zeros) and its compressed entries ``comp`` / ``index_keys`` (entries
+    0 .. n-1, at least every entry complete before the last query). Returns ``[T, H, D]``."""
+    D, Di = c.head_dim, c.index_head_dim
+    kind, r = c.layer_kinds[layer], c.compress_ratios[layer]
+    keep = None
+    if kind in (CSA, HCA):
+        n_ready = torch.div(positions + 1, r, rounding_mode="floor")
+        if kind == HCA:
+            keep = torch.arange(comp.shape[0], device=comp.device)[None, :] < n_ready[:, None]
+        else:
+            scores = kernels.indexer_scores(state["idx_q"], state["idx_w"], index_keys, Di ** -0.5)
+            keep = kernels.select_entries(scores, n_ready, c.index_topk)
+    else:
+        comp = None
+    return kernels.sink_attention(state["q"], positions, keys, w("attn.attn_sink"), D ** -0.5,
+                                  window=c.sliding_window, comp=comp, comp_keep=keep)
 
 
 def attend_sequence(c: V4Config, w: Getter, layer: int, state: dict, positions: torch.Tensor,
@@ -472,26 +515,10 @@ def attend_sequence(c: V4Config, w: Getter, layer: int, state: dict, positions: 
     """Queries of ONE sequence (``state`` rows at ``positions``) against that sequence's payload
     ``history[L, >= payload_width]`` (row j = the token at position j; every query position < L).
     Returns ``[T, H, D]``."""
-    D, Di = c.head_dim, c.index_head_dim
-    kind, r = c.layer_kinds[layer], c.compress_ratios[layer]
-    dtype = state["q"].dtype
-    kv = history[:, :D]
-    comp = keep = None
-    if kind in (CSA, HCA):
-        n_ready = torch.div(positions + 1, r, rounding_mode="floor")
-        width = 2 * D if kind == CSA else D
-        ckv, cgate = history[:, D : D + width], history[:, D + width : D + 2 * width]
-        comp = _entries(c, w, layer, ckv, cgate, "attn.compressor.", kind == CSA, dtype)
-        if kind == HCA:
-            keep = torch.arange(comp.shape[0], device=comp.device)[None, :] < n_ready[:, None]
-        else:
-            o = D + 2 * width
-            ikv, igate = history[:, o : o + 2 * Di], history[:, o + 2 * Di : o + 4 * Di]
-            ientries = _entries(c, w, layer, ikv, igate, "attn.indexer.compressor.", True, dtype)
-            scores = kernels.indexer_scores(state["idx_q"], state["idx_w"], ientries, Di ** -0.5)
-            keep = kernels.select_entries(scores, n_ready, c.index_topk)
-    return kernels.sink_attention(state["q"], positions, kv, w("attn.attn_sink"), D ** -0.5,
-                                  window=c.sliding_window, comp=comp, comp_keep=keep)
+    comp = index_keys = None
+    if c.layer_kinds[layer] in (CSA, HCA):
+        comp, index_keys = layer_entries(c, w, layer, history, state["q"].dtype)
+    return attend_entries(c, w, layer, state, positions, history[:, : c.head_dim], comp, index_keys)
 
 
 def attn_output(c: V4Config, w: Getter, layer: int, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

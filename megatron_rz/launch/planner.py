@@ -46,11 +46,14 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                  MLA   fast: (kv_lora_rank + rope) * b * layers (vLLM's latent cache, on each TP rank);
                        aligned: the expanded per-head cache, V zero-padded to the K head size,
                        2 * (heads / engine_tp) * (qk_nope + qk_rope) * b * layers
-                 V4    fast: the compressed entries in fp8: (head_dim + index_head_dim) / 4 per CSA
-                       layer and head_dim / 128 per HCA layer, plus the sliding window per sequence;
-                       aligned: one payload row per token and layer (key + compressor / indexer
-                       rows, padded to a multiple of 256: vllm_bridge/aligned/deepseek_v4.py) in the
-                       model dtype, the same on every TP rank (the one KV head is replicated)
+                 V4    kernels.models.dsv4_cache (the same on every TP rank: one KV head):
+                       fast: stock vLLM 0.26's pages (fp8 entries of 584 B per ratio tokens, 132 B
+                       indexer keys per 4 tokens) + per sequence its sliding windows and fp32
+                       compressor states; aligned: the compressed entries in the model dtype
+                       striped over their tokens + per sequence a window of payload rows
+                       (docs/architecture.md "The DeepSeek-V4 cache"); V4.1 aligned: one payload
+                       row per token and layer (key + compressor / indexer rows, padded to a
+                       multiple of 256) in the model dtype
     + plan.overhead_gb
   An aligned TP-sharded engine needs rollout.tensor_parallel_size dividing
   kernels.ROW_PARALLEL_K_SEGMENTS (8) and every split count divisible by it (attention heads, Qwen3's
@@ -220,15 +223,21 @@ def _kv_per_token_and_seq(m: ModelConfig, engine_tp: int, aligned: bool = False)
             heads = math.ceil(m.num_attention_heads / engine_tp)
             return 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * b * m.num_layers, 0.0
         return (m.kv_lora_rank + m.qk_rope_head_dim) * b * m.num_layers, 0.0
-    if aligned and f.dsv4:  # one payload row per token and layer, replicated over TP
+    if aligned and f.engram:  # DeepSeek-V4.1: one payload row per token and layer, replicated over TP
         return _v4_aligned_payload(m) * b * m.num_layers, 0.0
-    per_tok = 0.0
-    for r in m.compress_ratios:  # fp8 entries (vLLM keeps DeepSeek-V4's cache in fp8)
-        if r == 4:
-            per_tok += (m.head_dim + m.index_head_dim) / 4
-        elif r == 128:
-            per_tok += m.head_dim / 128
-    return per_tok, float(m.num_layers * m.sliding_window * m.head_dim)
+    layout = v4_cache_layout(m, aligned)
+    return layout.per_token, layout.per_sequence
+
+
+def v4_cache_layout(m: ModelConfig, aligned: bool):
+    """DeepSeek-V4's rollout cache per engine worker (replicated over TP in both modes): the aligned
+    class's compact layout or stock vLLM 0.26's, from kernels.models.dsv4_cache, the definition the
+    aligned engine allocates from."""
+    from kernels.models import dsv4_cache
+
+    kw = dict(head_dim=m.head_dim, index_head_dim=m.index_head_dim, compress_ratios=m.compress_ratios[:m.num_layers],
+              sliding_window=m.sliding_window)
+    return dsv4_cache.aligned_layout(dtype_bytes=_bytes(m.dtype), **kw) if aligned else dsv4_cache.stock_layout(**kw)
 
 
 def _v4_aligned_payload(m: ModelConfig) -> int:

@@ -135,7 +135,7 @@ def _v4_engine_split(r):
 
 def test_aligned_deepseek_v4_flash_at_tp8_fits_an_h200():
     """The tensor-parallel aligned V4 class (docs/tp.md "DeepSeek-V4"): heads (wq_b, attn_sink), wo_a by
-    rows, wo_b by K and routed experts split over 8, the rest replicated; the payload cache (one KV head)
+    rows, wo_b by K and routed experts split over 8, the rest replicated; the cache (one KV head)
     whole on every rank. 71.0 GiB of weights per GPU (575.6 GiB replicated), 117.0 GiB with 40 GiB of
     cache and the overhead: fits the 139 GiB of an H200."""
     r = _recipe("deepseek_v4_flash", "mode=aligned")
@@ -145,9 +145,14 @@ def test_aligned_deepseek_v4_flash_at_tp8_fits_an_h200():
     assert abs(plan.rollout_mem["weights"] - (c.total - split + split / 8) * 2 / GiB) < 1e-6
     assert 71.0 < plan.rollout_mem["weights"] < 71.1
     assert 117.0 < sum(plan.rollout_mem.values()) < 117.1 <= r.cluster.rollout.gpu_memory_gb
-    # payload per token and layer: CSA key 512 + compressor 4 x 512 + indexer 4 x 128 = 3072 (a
-    # multiple of 256), bf16, 43 layers, replicated over the 8 ranks
-    assert abs(plan.rollout_seqs_fit - 40 * GiB / (16384 * 3072 * 2 * 43)) < 1e-6
+    # the compact cache, replicated over the 8 ranks (kernels/models/dsv4_cache.py; docs/architecture.md
+    # "The DeepSeek-V4 cache"): per token the entries row, x4 layers (512 + 128) / 4 = 160 values,
+    # x128 layers 512 / 128 = 4 (20 x 160 + 23 x 4 = 3292, padded to 3328), bf16; per sequence a
+    # 128-token window of payload rows (20 x 3072 + 23 x 1536 = 96768 values, padded to 106496)
+    assert abs(plan.rollout_seqs_fit - 40 * GiB / (16384 * 3328 * 2 + 128 * 106496 * 2)) < 1e-6
+    assert int(plan.rollout_seqs_fit) == 315
+    stock = make_plan(_recipe("deepseek_v4_flash", "mode=fast"))
+    assert int(stock.rollout_seqs_fit) == 547  # 3755.25 B per token + 16.2 MiB per sequence
     assert not any("not sharded yet" in n for n in plan.notes)
 
 

@@ -79,6 +79,10 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
     TP_SHARDED = True
     # Hooks for subclasses (DeepSeek-V4.1, deepseek_v41.py); the V4 defaults change nothing.
     PAYLOAD_EXTRA = 0  # payload columns past the widest layer's (cached per token, ignored by attention)
+    # The compact cache (vllm_bridge/aligned/dsv4_cache.py: a window of payload rows + the compressed
+    # entries); False: every token's full payload row in one paged cache per layer (DeepSeek-V4.1,
+    # whose compressed layers read other layers' whole histories).
+    COMPACT_CACHE = True
 
     def _read_config(self, hf_config):
         return R.v4_config(hf_config)
@@ -108,9 +112,9 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
         # rz_c: what the per-layer functions see (local head count and the TPShard when sharded)
         self.rz_c = self._tp_config(c) if self.rz_sharded else c
         Hn, D = self.rz_c.num_heads, c.head_dim
-        # One cache width for every layer (vLLM sizes pages per layer; equal pages keep one group),
-        # split into KV heads of 128 (vLLM's CPU attention metadata refuses other head sizes, e.g.
-        # 1536): the K half then the V half of a row hold the payload.
+        # Payload cache (COMPACT_CACHE False): one cache width for every layer (vLLM sizes pages per
+        # layer; equal pages keep one group), split into KV heads of 128 (vLLM's CPU attention metadata
+        # refuses other head sizes, e.g. 1536): the K half then the V half of a row hold the payload.
         hs = self.CACHE_HEAD
         half = -(-(c.max_payload_width + self.PAYLOAD_EXTRA) // (2 * hs)) * hs
         self.payload, kv_heads = 2 * half, half // hs
@@ -131,7 +135,12 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
             return m is None or int(m.group(1)) in self.rz_c.tp.experts
 
         self._build_parameter_tree(c, make, include if self.rz_sharded else None)
-        for i in range(c.num_layers):
+        self.rz_cache = None
+        if self.COMPACT_CACHE:
+            from .dsv4_cache import CompactCache
+
+            self.rz_cache = CompactCache(c, dtype, self.cache_config, RZAlignedAttentionBackend)
+        for i in range(c.num_layers if not self.COMPACT_CACHE else 0):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
                 num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,
                 quant_config=None, prefix=f"layers.{i}.attn.cache", attn_backend=RZAlignedAttentionBackend,
@@ -201,6 +210,8 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
 
     def _attend(self, i: int, layer: nn.Module, state: dict, positions: torch.Tensor) -> torch.Tensor:
         c = self.rz_c
+        if self.rz_cache is not None:
+            return self.rz_cache.attend(i, layer.get_parameter, state, positions, c)
         T = state["q"].shape[0]
         payload = state["payload"]
         if payload.shape[1] < self.payload:

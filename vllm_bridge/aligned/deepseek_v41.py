@@ -36,6 +36,7 @@ _ID_DIGITS = 3  # token id as base-256 digits (bf16 holds integers <= 256 exactl
 
 class RZAlignedDeepseekV41ForCausalLM(RZAlignedDeepseekV4ForCausalLM):
     PAYLOAD_EXTRA = _ID_DIGITS
+    COMPACT_CACHE = False  # compressed layers read their source layers' whole payload histories
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
