@@ -203,6 +203,7 @@ def test_moe_grouped_equals_dense_per_token(case):
     separate gate/up weights == merged weight; and close to the exact CPU reference."""
     _need_cuda()
     moe = _mod("moe")
+    from kernels.gemm import ROW_PARALLEL_K_SEGMENTS  # the experts' down_proj segments (row-parallel)
     from kernels.triton import linear
 
     c = MOE_CASES[case]
@@ -219,7 +220,7 @@ def test_moe_grouped_equals_dense_per_token(case):
             e = int(ids[t, j])
             g = linear(x[t:t + 1], wgu[e, :I], k_segments=1)
             u = linear(x[t:t + 1], wgu[e, I:], k_segments=1)
-            outs[t, j] = linear(moe.swiglu(g, u), wd[e], k_segments=2)[0]
+            outs[t, j] = linear(moe.swiglu(g, u), wd[e], k_segments=ROW_PARALLEL_K_SEGMENTS)[0]
     dense = moe.moe_combine(outs, w[:T], so)
     assert torch.equal(y, dense)
     # CPU reference (exact, slow): a few tokens, bf16; agreement within bf16 rounding of the outputs

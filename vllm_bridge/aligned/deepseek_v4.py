@@ -61,6 +61,8 @@ import re
 from kernels.models import dsv4 as R
 from kernels.models.qwen3_dsv3 import FP8_SUFFIX, FP8WeightCache
 from ._model import LogitsScale, RZAlignedForCausalLM, tp_all_reduce, tp_info
+from vllm_bridge.vllm_compat import is_cuda
+
 from .attention_backend import RZAlignedAttentionBackend
 
 
@@ -136,11 +138,14 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
 
         self._build_parameter_tree(c, make, include if self.rz_sharded else None)
         self.rz_cache = None
-        if self.COMPACT_CACHE:
+        # The compact cache reads vLLM-CPU's cache tensor layout; the CUDA engine keeps the payload
+        # cache (cuda_attention's history hook) until its backend serves the compact one.
+        compact = self.COMPACT_CACHE and not is_cuda()
+        if compact:
             from .dsv4_cache import CompactCache
 
             self.rz_cache = CompactCache(c, dtype, self.cache_config, RZAlignedAttentionBackend)
-        for i in range(c.num_layers if not self.COMPACT_CACHE else 0):
+        for i in range(c.num_layers if not compact else 0):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
                 num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,
                 quant_config=None, prefix=f"layers.{i}.attn.cache", attn_backend=RZAlignedAttentionBackend,
