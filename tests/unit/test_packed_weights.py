@@ -69,3 +69,68 @@ def test_pack_check_repoints_replaced_storage():
     with torch.no_grad():
         M.RZAlignedForCausalLM._rz_pack_check(model)
     assert ptrs == [p.data_ptr() for p in layer.parameters()]
+
+
+def _qwen2_attention(H=32, Hq=4, Hkv=2, D=8):
+    """A Qwen2 attention block as the fast path builds it (q/k/v weights and biases packed)."""
+    attn = nn.Module()
+    rows = {"q_proj": Hq * D, "k_proj": Hkv * D, "v_proj": Hkv * D}
+    pack, leaves, bpack = M.packed_rows(torch.float32, H, rows, bias=True)
+    for n, leaf in leaves.items():
+        setattr(attn, n, leaf)
+    attn.rz_packs = {"qkv": (pack, tuple(rows)), "qkv_bias": (bpack, tuple(rows), "bias")}
+    return attn, rows
+
+
+def test_qwen2_biases_are_views_of_one_packed_vector_and_are_repointed():
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    torch.manual_seed(1)
+    attn, rows = _qwen2_attention()
+    ws = {n: torch.randn(r, 32) for n, r in rows.items()}
+    bs = {n: torch.randn(r) for n, r in rows.items()}
+    for n in rows:
+        default_weight_loader(getattr(attn, n).weight, ws[n])
+        default_weight_loader(getattr(attn, n).bias, bs[n])
+    assert torch.equal(attn.rz_packs["qkv"][0], torch.cat(list(ws.values())))
+    assert torch.equal(attn.rz_packs["qkv_bias"][0], torch.cat(list(bs.values())))
+    assert {n for n, _ in attn.named_parameters()} == {f"{n}.{a}" for n in rows for a in ("weight", "bias")}
+    # a loader that re-allocated the k bias: copied back into the packed vector and re-pointed
+    layer = nn.Module()
+    layer.self_attn, layer.mlp = attn, nn.Module()
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer]), rz_start=0, rz_end=1)
+    model._stage_layers = types.MethodType(M.RZAlignedForCausalLM._stage_layers, model)
+    new_b = torch.randn(rows["k_proj"])
+    attn.k_proj.bias.data = new_b.clone()
+    with torch.no_grad():
+        M.RZAlignedForCausalLM._rz_pack_check(model)
+    bpack = attn.rz_packs["qkv_bias"][0]
+    lo = rows["q_proj"]
+    assert attn.k_proj.bias.data_ptr() == bpack[lo:lo + rows["k_proj"]].data_ptr()
+    assert torch.equal(bpack[lo:lo + rows["k_proj"]], new_b)
+
+
+def test_qwen2_packed_qkv_is_bitwise_the_three_biased_projections():
+    """The fast path's one GEMM over the packed q/k/v weight and bias == the learner's three biased
+    projections (kernels.models.qwen3_dsv3.qwen2_qkv), q / k after RoPE and v, with torch.equal."""
+    from kernels.models import qwen3_dsv3 as ref
+
+    torch.manual_seed(2)
+    H, Hq, Hkv, D = 32, 4, 2, 8
+    c = ref.arch_config({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": H,
+                         "num_hidden_layers": 1, "num_attention_heads": Hq, "num_key_value_heads": Hkv,
+                         "vocab_size": 64, "intermediate_size": 48})
+    assert c.family.qkv_bias and c.head_dim == D
+    attn, rows = _qwen2_attention(H, Hq, Hkv, D)
+    with torch.no_grad():
+        for n, r in rows.items():
+            getattr(attn, n).weight.copy_(torch.randn(r, H) * H ** -0.5)
+            getattr(attn, n).bias.copy_(torch.randn(r))
+    x = torch.randn(5, H)
+    cos, sin = ref.rope_tables(c, torch.arange(5))
+    params = dict(attn.named_parameters())
+    want = ref.qwen2_qkv(c, lambda name: params[name.removeprefix("self_attn.")], x, cos, sin)
+    layer = types.SimpleNamespace(self_attn=attn)
+    got = M.RZAlignedForCausalLM._fast_qkv(types.SimpleNamespace(c=c), layer, x, cos, sin)
+    for g, w_ in zip(got, want):
+        assert torch.equal(g, w_)

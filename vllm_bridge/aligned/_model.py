@@ -62,8 +62,9 @@ worker's read-back, so ``verify_sync`` covers every stage.
 GPU fast path (CUDA, unsharded, no FP8; ``rz_fast``): the same numbers through fewer, larger
 launches and no host synchronisation, so vLLM can replay decode steps as CUDA graphs.
 * Packed storage, no copies: a layer's routed experts' gate / up / down weights are *views* into
-  three stacked ``[E, ...]`` tensors (``rz_pack``), q/k/v (Qwen3) and a dense or shared MLP's
-  gate/up are row blocks of one ``[N_q + N_k + N_v, H]`` / ``[2I, H]`` tensor. The HF-named
+  three stacked ``[E, ...]`` tensors (``rz_pack``), q/k/v (Qwen3; Qwen2 with its biases as blocks of
+  one ``[N_q + N_k + N_v]`` vector) and a dense or shared MLP's gate/up are row blocks of one
+  ``[N_q + N_k + N_v, H]`` / ``[2I, H]`` tensor. The HF-named
   parameters stay (loading, in-place reload and read-back work as before) and write straight into
   the packed tensors; ``load_weights`` re-points any parameter that stopped aliasing its pack.
 * One GEMM for q/k/v and one for gate/up: ``kernels.linear`` with one K segment computes every
@@ -185,21 +186,26 @@ def _view_param(t: torch.Tensor) -> nn.Parameter:
 
 
 class _Views(nn.Module):
-    """A leaf whose ``weight`` is a view into a packed tensor (``Params`` otherwise)."""
+    """A leaf whose ``weight`` (and ``bias``, when given) is a view into a packed tensor (``Params``
+    otherwise)."""
 
-    def __init__(self, view: torch.Tensor) -> None:
+    def __init__(self, view: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.register_parameter("weight", _view_param(view))
+        if bias is not None:
+            self.register_parameter("bias", _view_param(bias))
 
 
-def packed_rows(dtype, hidden: int, rows: dict) -> tuple[torch.Tensor, dict]:
-    """One ``[sum(rows), hidden]`` tensor and a ``_Views`` leaf per named row block."""
+def packed_rows(dtype, hidden: int, rows: dict, *, bias: bool = False):
+    """One ``[sum(rows), hidden]`` tensor and a ``_Views`` leaf per named row block; with ``bias``
+    also one ``[sum(rows)]`` tensor whose blocks are the leaves' ``bias`` (returned third)."""
     pack = torch.empty(sum(rows.values()), hidden, dtype=dtype)
+    bpack = torch.empty(sum(rows.values()), dtype=dtype) if bias else None
     leaves, start = {}, 0
     for name, n in rows.items():
-        leaves[name] = _Views(pack[start:start + n])
+        leaves[name] = _Views(pack[start:start + n], None if bpack is None else bpack[start:start + n])
         start += n
-    return pack, leaves
+    return (pack, leaves, bpack) if bias else (pack, leaves)
 
 
 def _packed_mlp(dtype, hidden: int, inter: int) -> nn.Module:
@@ -494,24 +500,30 @@ class RZAlignedForCausalLM(nn.Module):
         for i, layer in self._stage_layers():
             w = layer.get_parameter
             attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
-            qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) if c.family.qk_norm else None
+            qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) \
+                if "qkv" in (getattr(layer.self_attn, "rz_packs", None) or {}) else None
             h = ref.layer_forward(c, w, i, h, cos, sin, attend, mlp=lambda x, layer=layer, i=i: self._fast_mlp(layer, i, x),
                                   qkv=qkv)
         return h
 
     def _fast_qkv(self, layer, x, cos, sin):
-        """Qwen3 q/k/v from one GEMM over the packed ``[N_q + 2 N_kv, H]`` weight (same bits as three)."""
+        """q/k/v from one GEMM over the packed ``[N_q + 2 N_kv, H]`` weight (same bits as three: one K
+        segment, each output column its own K chain); Qwen2's biases are one packed ``[N_q + 2 N_kv]``
+        vector, added per column in fp32 before the one rounding as in the three biased GEMMs. Then
+        Qwen3's q/k RMSNorm (families with ``qk_norm``) and RoPE."""
         c = self.c
         T, D = x.shape[0], c.head_dim
-        pack = layer.self_attn.rz_packs["qkv"][0]
-        y = kernels.linear(x, pack)
+        a = layer.self_attn
+        pack = a.rz_packs["qkv"][0]
+        bias = a.rz_packs["qkv_bias"][0] if "qkv_bias" in a.rz_packs else None
+        y = kernels.linear(x, pack, bias)
         nq, nk = c.num_heads * D, c.num_kv_heads * D
         q = y[:, :nq].reshape(T, c.num_heads, D)
         k = y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D)
         v = y[:, nq + nk:].reshape(T, c.num_kv_heads, D)
-        a = layer.self_attn
-        q = kernels.rms_norm(q, a.q_norm.weight, c.rms_norm_eps)
-        k = kernels.rms_norm(k, a.k_norm.weight, c.rms_norm_eps)
+        if c.family.qk_norm:
+            q = kernels.rms_norm(q, a.q_norm.weight, c.rms_norm_eps)
+            k = kernels.rms_norm(k, a.k_norm.weight, c.rms_norm_eps)
         return kernels.apply_rope(q, cos, sin, "neox"), kernels.apply_rope(k, cos, sin, "neox"), v
 
     @staticmethod
@@ -542,9 +554,10 @@ class RZAlignedForCausalLM(nn.Module):
 
     def _rz_pack_check(self) -> None:
         """Re-point every packed parameter that no longer aliases its pack (a loader that replaced
-        its storage): copy it into the pack, then make it a view again. Zero copies otherwise."""
-        def fix(leaf: nn.Module, view: torch.Tensor) -> None:
-            p = leaf.weight
+        its storage): copy it into the pack, then make it a view again. Zero copies otherwise.
+        An ``rz_packs`` entry is ``(pack, leaf names)`` for the leaves' ``weight`` or ``(pack, leaf
+        names, attribute)`` (Qwen2's packed q/k/v ``bias``)."""
+        def fix(p: nn.Parameter, view: torch.Tensor) -> None:
             if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
                 view.copy_(p.data)
                 p.data = view
@@ -552,16 +565,18 @@ class RZAlignedForCausalLM(nn.Module):
         for _, layer in self._stage_layers():
             owners = [layer.self_attn, layer.mlp, getattr(layer.mlp, "shared_experts", None)]
             for m in owners:
-                for pack, names in (getattr(m, "rz_packs", None) or {}).values():
+                for entry in (getattr(m, "rz_packs", None) or {}).values():
+                    pack, names = entry[0], entry[1]
+                    attr = entry[2] if len(entry) > 2 else "weight"
                     start = 0
                     for n in names:  # row blocks in order
-                        leaf = getattr(m, n)
-                        fix(leaf, pack[start:start + leaf.weight.shape[0]])
-                        start += leaf.weight.shape[0]
+                        p = getattr(getattr(m, n), attr)
+                        fix(p, pack[start:start + p.shape[0]])
+                        start += p.shape[0]
             st = getattr(layer.mlp, "rz_stacks", None)
             for e, ex in enumerate(layer.mlp.experts if st is not None else []):
                 for n, t in st.items():
-                    fix(getattr(ex, n), t[e])
+                    fix(getattr(ex, n).weight, t[e])
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.c.tie_word_embeddings else self.lm_head.weight

@@ -8,14 +8,15 @@ over vLLM's paged KV cache with the aligned backend, as the Qwen3-MoE class.
 
 Not sharded over vLLM's tensor-parallel group yet (``TP_SHARDED = False``): at
 tensor_parallel_size > 1 every worker holds and computes the whole model (bitwise the TP=1 engine).
-On CUDA the dense MLP's gate/up use the packed fast path; q/k/v stay three biased GEMMs.
+On CUDA (the fast path, ``_model``'s docstring) q/k/v are one biased GEMM over the packed weight and
+bias, and the dense MLP's gate/up one GEMM.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ._model import Params
+from ._model import Params, packed_rows
 from .qwen3_moe import RZAlignedQwen3MoeForCausalLM
 
 
@@ -28,8 +29,14 @@ class RZAlignedQwen2ForCausalLM(RZAlignedQwen3MoeForCausalLM):
         c = self.c
         H, D = c.hidden_size, c.head_dim
         m = nn.Module()
-        for name, heads in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads), ("v_proj", c.num_kv_heads)):
-            setattr(m, name, Params(dtype, weight=(heads * D, H), bias=(heads * D,)))
+        rows = {"q_proj": c.num_heads * D, "k_proj": c.num_kv_heads * D, "v_proj": c.num_kv_heads * D}
+        if self.rz_fast:  # q/k/v weights and biases: blocks of one packed weight and one bias (one GEMM)
+            pack, leaves, bpack = packed_rows(dtype, H, rows, bias=True)
+            m.q_proj, m.k_proj, m.v_proj = leaves["q_proj"], leaves["k_proj"], leaves["v_proj"]
+            m.rz_packs = {"qkv": (pack, tuple(rows)), "qkv_bias": (bpack, tuple(rows), "bias")}
+        else:
+            for name, n in rows.items():
+                setattr(m, name, Params(dtype, weight=(n, H), bias=(n,)))
         m.o_proj = Params(dtype, weight=(H, c.num_heads * D))
         m.attn = self._make_attn(prefix, c.num_heads, D, c.num_kv_heads)
         return m
