@@ -113,6 +113,35 @@ def test_fused_draw_and_log_softmax_equal_unfused_on_cuda(v):
     assert torch.equal(tlp[[0, 1, 2, 4]], lp.gather(1, tok[:, None]).squeeze(1)[[0, 1, 2, 4]])
 
 
+@pytest.mark.parametrize("v", [12365, 32000, 151936])
+def test_draw_in_vocabulary_pieces_equals_one_program_per_row_on_cuda(v):
+    """Small batches race each row's vocabulary in parallel pieces and fold them in column order
+    (kernels.triton.draw.draw_pieces): the tokens, token log-probs and finite flag are those of one
+    program per row, for any number of pieces, keyed or not, with masked columns and greedy ties."""
+    _need_cuda()
+    from kernels.triton.draw import draw_pieces, gumbel_draw, gumbel_draw_with_logprob
+    from kernels.triton.logprobs import log_softmax
+
+    g = torch.Generator(device="cuda").manual_seed(v + 1)
+    for n in (1, 7, 64, 127):
+        x = torch.randn(n, v, device="cuda", generator=g) * 3
+        x[0, ::3] = float("-inf")
+        x[-1, 5] = x[-1, v - 9] = 40.0  # a tie across the first and the last piece
+        T = torch.tensor([(1.0, 0.7, 1.3, 2.0)[j % 4] for j in range(n)], device="cuda")
+        T[-1] = 0.0  # greedy
+        lp = log_softmax(x, torch.where(T < 1e-5, torch.ones_like(T), T))
+        keys = torch.stack([torch.arange(n, device="cuda") * 7 + 1, torch.arange(n, device="cuda")], 1)
+        assert draw_pieces(n, v) > 1
+        for k in (keys, None):
+            one = gumbel_draw(x, T, k, base_seed=77, pieces=1)
+            assert int(one[-1]) == 5
+            for P in (2, 5, None):
+                assert torch.equal(gumbel_draw(x, T, k, base_seed=77, pieces=P), one), (v, n, P)
+                tok, tlp, fin = gumbel_draw_with_logprob(x, T, lp, k, base_seed=77, pieces=P)
+                assert torch.equal(tok, one) and torch.equal(tlp, lp.gather(1, one[:, None]).squeeze(1))
+                assert int(fin) == 1
+
+
 def _md(T, generators):
     from types import SimpleNamespace
 

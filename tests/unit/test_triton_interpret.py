@@ -130,6 +130,46 @@ def test_launch_plans_in_the_triton_interpreter():
     assert "interpreted kernels OK" in r.stdout
 
 
+CHILD_PIECES = r'''
+import torch
+from kernels.triton.draw import BLOCK, gumbel_draw, gumbel_draw_with_logprob
+
+g = torch.Generator().manual_seed(3)
+V = 3 * BLOCK + 77  # pieces of whole BLOCKs, the last one short
+lg = torch.randn(5, V, generator=g) * 3
+lg[0, 100] = lg[0, 9000] = 50.0  # a greedy row's tie across two pieces: the first column wins
+lg[1] = float("-inf")
+lg[1, V - 1] = 0.0  # a kept set of one column, in the last (short) piece
+lg[2] = float("-inf")  # nothing above -inf: column 0, as the one-program race
+temp = torch.tensor([0.0, 1.0, 1.0, 0.8, 1.3])
+keys = torch.tensor([[1, 0], [2, 3], [3, 4], [2**61 + 5, 2**33], [7, 1]], dtype=torch.int64)
+lp = torch.log_softmax(lg / temp.clamp_min(1e-5)[:, None], -1)
+for kw in (dict(keys=keys), dict(base_seed=1234)):
+    one = gumbel_draw(lg, temp, pieces=1, **kw)
+    assert int(one[0]) == 100 and int(one[1]) == V - 1 and int(one[2]) == 0, one
+    for P in (2, 3, 4):
+        assert torch.equal(gumbel_draw(lg, temp, pieces=P, **kw), one), (P, kw)
+        tok, tlp, fin = gumbel_draw_with_logprob(lg, temp, lp, pieces=P, **kw)
+        want = lp.gather(1, one[:, None])[:, 0]
+        assert torch.equal(tok, one) and torch.allclose(tlp, want, rtol=0, atol=0, equal_nan=True), P
+        assert int(fin) == 0  # row 2's token has log-prob -inf (NaN here): flagged
+    assert torch.equal(gumbel_draw(lg, temp, **kw), one)  # the default plan (5 rows: pieces)
+print("interpreted draw pieces OK")
+'''
+
+
+def test_draw_in_vocabulary_pieces_is_the_one_program_draw_in_the_interpreter():
+    """A small batch races each row's vocabulary in pieces and folds them in order: the same tokens
+    as one program per row (keyed and unkeyed, a greedy tie across pieces, a kept set in the short
+    last piece, a row with nothing above -inf), and the same token log-probs and finite flag."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", CHILD_PIECES], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "interpreted draw pieces OK" in r.stdout
+
+
 CHILD_GRADS = r'''
 import torch
 from kernels import grads, logprobs as LP, moe as MO, norm as NO, rope as RO
