@@ -51,11 +51,13 @@ def gemm_case(K, N, M, config=None):
 
 
 def run_sweep(args):
-    from kernels.triton.gemm import CONFIGS, default_k_segments
+    from kernels.triton.gemm import CONFIGS, default_k_segments, pick_config
 
     rows = []
-    for K, N in GEMM_SHAPES:
-        nseg = default_k_segments(K, N)
+    shapes = [tuple(int(v) for v in x.split(",")) for x in args.shapes] if args.shapes else GEMM_SHAPES
+    for shape in shapes:
+        K, N = shape[:2]
+        nseg = shape[2] if len(shape) > 2 else default_k_segments(K, N)
         for M in args.ms:
             from kernels.triton.gemm import matmul
 
@@ -70,17 +72,22 @@ def run_sweep(args):
                 if cfg.block_m >= 128 and M <= 32 or cfg.block_m <= 32 and M > 1024:
                     continue
                 try:
-                    res[name] = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], config=cfg)), n)
+                    res[name] = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], config=cfg, k_segments=nseg)), n)
                 except Exception as e:  # noqa: BLE001 (out of resources etc.)
                     res[name] = None
                     print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             ok = {k: v for k, v in res.items() if v}
             best = min(ok, key=ok.get)
-            print(f"K={K:6d} N={N:6d} nseg={nseg} M={M:5d} cublas {t_cublas*1e3:8.1f}us  best {best:22s}"
+            picked = pick_config(M, K, N, nseg).name
+            print(f"K={K:6d} N={N:6d} nseg={nseg} M={M:5d} cublas {t_cublas*1e3:8.1f}us  picked {picked} "
+                  f"{(res.get(picked) or float('nan'))*1e3:8.1f}us  best {best:22s}"
                   f" {ok[best]*1e3:8.1f}us ratio {t_cublas/ok[best]:.2f}  | "
                   + " ".join(f"{k}={v*1e3:.0f}" for k, v in sorted(ok.items(), key=lambda kv: kv[1])[:5]),
                   flush=True)
-            rows.append(dict(K=K, N=N, M=M, nseg=nseg, cublas_ms=t_cublas, configs=res, best=best))
+            rows.append(dict(K=K, N=N, M=M, nseg=nseg, cublas_ms=t_cublas, configs=res, best=best, picked=picked))
+            if args.out:  # partial results survive a time-out
+                with open(args.out, "w") as f:
+                    json.dump({"sweep": rows}, f, indent=1)
             del ws, xs
     return {"sweep": rows}
 
@@ -165,6 +172,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ms", type=int, nargs="*", default=GEMM_MS)
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="--sweep shapes as K,N or K,N,k_segments (e.g. 8960,1536,8: a row-parallel down_proj); "
+                         "default: GEMM_SHAPES with their default segmentation")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8-sweep", action="store_true", help="also time every FP8 config at M >= 128")
     ap.add_argument("--groups", nargs="*", default=["gemm", "rmsnorm", "logprobs", "attention"])
