@@ -78,7 +78,8 @@ def run_sweep(args):
                     print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             ok = {k: v for k, v in res.items() if v}
             best = min(ok, key=ok.get)
-            picked = pick_config(M, K, N, nseg).name
+            pc = pick_config(M, K, N, nseg)
+            picked = next((k for k, c in CONFIGS.items() if c == pc), pc.name)  # CONFIGS' key
             print(f"K={K:6d} N={N:6d} nseg={nseg} M={M:5d} cublas {t_cublas*1e3:8.1f}us  picked {picked} "
                   f"{(res.get(picked) or float('nan'))*1e3:8.1f}us  best {best:22s}"
                   f" {ok[best]*1e3:8.1f}us ratio {t_cublas/ok[best]:.2f}  | "
