@@ -64,15 +64,19 @@ class GemmConfig:
     tma: bool = False
     # segmented shapes only: one program per (tile, segment) + ordered reduce kernel
     split: bool = False
+    # a segment that is not a multiple of block_k keeps block_k and masks its last tile at the
+    # segment's end (instead of the widest power-of-two tile >= 16 that divides it, e.g. 32 for the
+    # 1120-column segments of a 8960-wide down_proj)
+    mask_tail: bool = False
 
     @property
     def name(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-                f"{'_tma' if self.tma else ''}{'_split' if self.split else ''}")
+                f"{'_tma' if self.tma else ''}{'_split' if self.split else ''}{'_mt' if self.mask_tail else ''}")
 
 
-def _c(bm, bn, bk, w, s, g=8, tma=False, split=False) -> GemmConfig:
-    return GemmConfig(bm, bn, bk, w, s, g, tma, split)
+def _c(bm, bn, bk, w, s, g=8, tma=False, split=False, mask_tail=False) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, w, s, g, tma, split, mask_tail)
 
 
 # Every config here must give identical bits (test_gemm_all_configs_identical). The dispatcher
@@ -95,6 +99,10 @@ CONFIGS = {
     "d16_n64_split": _c(16, 64, 256, 4, 4, split=True),
     "m64_n128_split": _c(64, 128, 64, 4, 4, split=True),
     "d64_n64_split": _c(64, 64, 128, 4, 4, split=True),
+    # the same with the segment's last tile masked instead of narrower tiles (not picked by the
+    # dispatcher yet: candidates for the sweep, gpu_kernels.py --sweep --shapes 8960,1536,8)
+    "d16_n64_split_mt": _c(16, 64, 128, 4, 4, split=True, mask_tail=True),
+    "m64_n128_split_mt": _c(64, 128, 64, 4, 4, split=True, mask_tail=True),
 }
 
 
@@ -321,7 +329,7 @@ def matmul(
     if x2.element_size() == 4:  # fp32 operands: half the K tile, fewer stages (shared memory)
         block_k = max(16, block_k // 2)
         num_stages = min(num_stages, 3)
-    if nseg > 1 and seg_len % block_k:
+    if nseg > 1 and seg_len % block_k and not (cfg.mask_tail and seg_len > block_k):
         # segment boundaries should fall on BLOCK_K steps (bits are unaffected); a segment shorter
         # than 16 or not a multiple of it (e.g. a tiny model's 128-wide o_proj in 16 row-parallel
         # segments of 8) runs 16-wide tiles masked at the segment's end: the masked products are

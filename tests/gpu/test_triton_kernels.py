@@ -94,6 +94,27 @@ def test_gemm_all_configs_identical(K, N):
                 assert torch.equal(y, first), f"K={K} N={N} M={M} {odt}: {name} != {first_name}"
 
 
+@pytest.mark.parametrize("K,N,segs", [(8960, 1536, 8), (1536, 1536, 8), (2048, 1024, 8)])
+def test_gemm_all_configs_identical_row_parallel(K, N, segs):
+    """Row-parallel segmentations whose segments are not a multiple of the tile (1120 and 192
+    columns): every config, including the ones that mask the segment's last tile (``mask_tail``)
+    instead of narrowing the tiles, gives the same bits."""
+    _need_cuda()
+    from kernels.triton.gemm import CONFIGS, matmul
+
+    w = _randn(N, K, seed=16, scale=K ** -0.5)
+    b = _randn(N, seed=17, dtype=torch.float32)
+    assert any(c.mask_tail for c in CONFIGS.values())
+    for M in (1, 32, 200):
+        x = _randn(M, K, seed=18 + M)
+        for odt, bias in ((torch.bfloat16, None), (torch.float32, b)):
+            results = {name: matmul(x, w, bias, out_dtype=odt, config=cfg, k_segments=segs)
+                       for name, cfg in CONFIGS.items()}
+            first_name, first = next(iter(results.items()))
+            for name, y in results.items():
+                assert torch.equal(y, first), f"K={K} N={N} M={M} {odt}: {name} != {first_name}"
+
+
 def test_gemm_segments_in_kernel_vs_split():
     """Explicit k_segments: in-kernel loop == split+reduce == per-shard partials added in order."""
     _need_cuda()

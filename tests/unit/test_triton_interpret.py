@@ -283,6 +283,16 @@ for K, segs in ((128, 16), (200, 8), (48, 2)):
     # (a segment masked at K instead of its own end would count the next segment's columns twice)
     assert (y - acc).abs().max() < 1e-5, (K, segs)
     assert (y.double() - x.double() @ w.double().T).abs().max() < 1e-5, (K, segs)
+from kernels.triton.gemm import CONFIGS
+# configs that keep their K tile and mask a segment's last one (1120 = 8 x 128 + 96 columns)
+for K, segs in ((8960, 8), (1536, 8)):
+    w = torch.randn(24, K) * K ** -0.5
+    x = torch.randn(3, K)
+    exact = x.double() @ w.double().T
+    for name, cfg in CONFIGS.items():
+        if cfg.mask_tail:
+            y = matmul(x, w, k_segments=segs, config=cfg)
+            assert (y.double() - exact).abs().max() < 1e-4, (name, K, segs)
 from kernels.triton.moe import grouped_linear
 # the same for an expert's segments in the grouped GEMM (tiny_dsv3: 64-wide down_proj, 8 segments)
 for K, segs in ((64, 8), (200, 8), (48, 2)):
