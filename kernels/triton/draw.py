@@ -25,10 +25,11 @@ element: bitwise ``lp.gather``) and stores 0 into a one-element int32 flag, pres
 value is not finite; the tokens are those of :func:`gumbel_draw` (both kernels inline the same
 race, ``_race``).
 
-Launch plan (:func:`draw_pieces`, host sizes only): from ``ROWS_ALONE`` rows, one program per row;
-a smaller batch cuts each row into ``PIECE``-column pieces raced by parallel programs, whose (best
-score, first column) pairs a second launch folds in column order with the race's own rule (a later
-piece wins only with a strictly larger score). A maximum and the first column reaching it do not
+Launch plan (:func:`draw_pieces`, host sizes only): from ``ROWS_ALONE`` rows or under
+``PIECED_VOCAB`` columns, one program per row; a smaller batch of a large vocabulary cuts each row
+into ``PIECE``-column pieces raced by parallel programs, whose (best score, first column) pairs a
+second launch folds in column order with the race's own rule (a later piece wins only with a
+strictly larger score). A maximum and the first column reaching it do not
 depend on how the columns are grouped, so every plan draws the same token.
 """
 
@@ -40,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gumbel_draw", "gumbel_draw_with_logprob", "draw_pieces", "BLOCK", "PIECE", "ROWS_ALONE"]
+__all__ = ["gumbel_draw", "gumbel_draw_with_logprob", "draw_pieces", "BLOCK", "PIECE", "ROWS_ALONE", "PIECED_VOCAB"]
 
 BLOCK = 4096  # vocabulary columns per loop iteration (free: the race's result does not depend on it)
 # Small batches race each row in pieces of PIECE columns in parallel (Qwen's 151,936-column
@@ -48,6 +49,9 @@ BLOCK = 4096  # vocabulary columns per loop iteration (free: the race's result d
 # vLLM's own draw 35 us); from ROWS_ALONE rows one program per row already fills the GPU.
 PIECE = 8192
 ROWS_ALONE = 128
+# ... and only vocabularies of at least PIECED_VOCAB columns: a 32,000-column row takes ~30 us in one
+# program, less than the second launch costs the host (decode at small batch is host-bound)
+PIECED_VOCAB = 65536
 
 
 @triton.jit
@@ -154,11 +158,12 @@ def _piece_fold_lp_kernel(best_ptr, idx_ptr, out_ptr, n_pieces, lp_ptr, stride_l
 
 
 def draw_pieces(N: int, V: int) -> int:
-    """Vocabulary pieces per row: one program per row when the batch fills the GPU (or the vocabulary
-    is short), else rows cut into ``PIECE``-column pieces raced in parallel and folded in order. From
+    """Vocabulary pieces per row: one program per row when the batch fills the GPU or the vocabulary
+    is under ``PIECED_VOCAB``, else rows cut into ``PIECE``-column pieces raced in parallel and
+    folded in order. From
     host sizes only; the token does not depend on it (a race's maximum and its first column are the
     same whichever way the columns are grouped)."""
-    if N >= ROWS_ALONE or V <= PIECE:
+    if N >= ROWS_ALONE or V < PIECED_VOCAB:
         return 1
     return triton.cdiv(V, PIECE)
 

@@ -131,7 +131,7 @@ def test_draw_in_vocabulary_pieces_equals_one_program_per_row_on_cuda(v):
         T[-1] = 0.0  # greedy
         lp = log_softmax(x, torch.where(T < 1e-5, torch.ones_like(T), T))
         keys = torch.stack([torch.arange(n, device="cuda") * 7 + 1, torch.arange(n, device="cuda")], 1)
-        assert draw_pieces(n, v) > 1
+        assert (draw_pieces(n, v) > 1) == (v >= 65536)  # large vocabularies only
         for k in (keys, None):
             one = gumbel_draw(x, T, k, base_seed=77, pieces=1)
             assert int(one[-1]) == 5

@@ -153,7 +153,7 @@ for kw in (dict(keys=keys), dict(base_seed=1234)):
         want = lp.gather(1, one[:, None])[:, 0]
         assert torch.equal(tok, one) and torch.allclose(tlp, want, rtol=0, atol=0, equal_nan=True), P
         assert int(fin) == 0  # row 2's token has log-prob -inf (NaN here): flagged
-    assert torch.equal(gumbel_draw(lg, temp, **kw), one)  # the default plan (5 rows: pieces)
+    assert torch.equal(gumbel_draw(lg, temp, **kw), one)  # the default plan (one program: a short vocabulary)
 print("interpreted draw pieces OK")
 '''
 
