@@ -152,3 +152,15 @@ def test_entries_from_a_window_equal_the_whole_sequence(dtype, entries):
                 assert torch.equal(m2, main[first:end]), (layer, first, end)
                 if idx is not None:
                     assert torch.equal(i2, idx[first:end]), (layer, first, end)
+
+
+def test_bad_entries_format_is_one_line_naming_the_key():
+    cfg = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 32,
+           "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "hc_mult": 4, "compress_ratios": [4],
+           "index_n_heads": 4, "index_head_dim": 16, "index_topk": 3, R.KV_ENTRIES_KEY: "fp16"}
+    with pytest.raises(ValueError, match=r"^rz_kv_entries='fp16': expected one of fp8, model$"):
+        R.v4_config(cfg)
+    with pytest.raises(ValueError, match="entries='int8'"):
+        K.aligned_layout(head_dim=32, index_head_dim=16, compress_ratios=[4], sliding_window=16, dtype_bytes=4,
+                         entries="int8")
