@@ -114,6 +114,18 @@ def _dequantize_groups(q: torch.Tensor, e: torch.Tensor, group: int) -> torch.Te
     return (pad * _pow2(e).unsqueeze(-1)).view(n, g * group)[:, :k]
 
 
+def bytes_as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``uint8 [n, k]`` (any strides, e.g. columns of a wider row) as ``[n, k / size]`` of ``dtype``: a
+    fresh dense copy, then a view (``.contiguous()`` alone keeps a one-row slice's row stride)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    n, k = b.shape
+    if k % size:
+        raise ValueError(f"bytes_as: {k} bytes per row are not whole {dtype} values")
+    out = torch.empty(n, k, dtype=torch.uint8, device=b.device)
+    out.copy_(b)
+    return out.view(dtype)
+
+
 def _bf16_input(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(torch.bfloat16).to(torch.float32)
 
@@ -151,9 +163,9 @@ def unpack_entry(b: torch.Tensor, head_dim: int, rope_dim: int) -> tuple[torch.T
     if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != entry_bytes(head_dim, rope_dim):
         raise ValueError(f"unpack_entry: expected uint8 [n, {entry_bytes(head_dim, rope_dim)}], got "
                          f"{b.dtype} {tuple(b.shape)}")
-    nope = b[:, :nn_].contiguous().view(FP8_DTYPE)
-    rope = b[:, nn_ : nn_ + 2 * rope_dim].contiguous().view(torch.bfloat16)
-    return nope, b[:, nn_ + 2 * rope_dim :].contiguous(), rope
+    nope = bytes_as(b[:, :nn_], FP8_DTYPE)
+    rope = bytes_as(b[:, nn_ : nn_ + 2 * rope_dim], torch.bfloat16)
+    return nope, bytes_as(b[:, nn_ + 2 * rope_dim :], torch.uint8), rope
 
 
 # ---- indexer keys ----------------------------------------------------------------------------------
@@ -181,8 +193,7 @@ def unpack_index_key(b: torch.Tensor, index_head_dim: int) -> tuple[torch.Tensor
     if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != index_key_bytes(index_head_dim):
         raise ValueError(f"unpack_index_key: expected uint8 [n, {index_key_bytes(index_head_dim)}], got "
                          f"{b.dtype} {tuple(b.shape)}")
-    q = b[:, :index_head_dim].contiguous().view(FP8_DTYPE)
-    return q, b[:, index_head_dim:].contiguous().view(torch.float32)
+    return bytes_as(b[:, :index_head_dim], FP8_DTYPE), bytes_as(b[:, index_head_dim:], torch.float32)
 
 
 # ---- the learner's view: dequantised values, straight-through gradient -----------------------------

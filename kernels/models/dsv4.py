@@ -563,8 +563,10 @@ def unpack_entries(c: V4Config, layer: int, b: torch.Tensor, dtype: torch.dtype
         idx = kv_fp8.dequantize_index_key(*kv_fp8.unpack_index_key(b[:, nm : nm + kv_fp8.index_key_bytes(Di)], Di),
                                           dtype)
         return comp, idx
+    from kernels.kv_fp8 import bytes_as
+
     nb = torch.empty(0, dtype=dtype).element_size()
-    vals = b[:, : (D + (Di if csa else 0)) * nb].contiguous().view(dtype)
+    vals = bytes_as(b[:, : (D + (Di if csa else 0)) * nb], dtype)
     return vals[:, :D], (vals[:, D:] if csa else None)
 
 

@@ -212,3 +212,17 @@ def test_bytes_equal_stock_vllm_cpu_compressor(seed):
                                      torch.tensor([0]), w, 0.0, cos_sin, kv, 2, ratio)
     _, scales, _ = Q.quantize_entry(w[None], R_)
     assert (kv[0, 2 * 576].item() - 127, scales[0, 0].item() - 127) == (-13, -15)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_unpack_from_columns_of_a_wider_row(n):
+    """The engine reads an entry's bytes as columns of a cache row: any row count (one row's slice keeps
+    the wide row's stride), read back bit for bit."""
+    x = _entries(8)[:n]
+    wide = torch.zeros(n, 584 + 132 + 7, dtype=torch.uint8)
+    wide[:, 3 : 3 + 584] = Q.pack_entry(*Q.quantize_entry(x, 64))
+    wide[:, 3 + 584 : 3 + 584 + 132] = Q.pack_index_key(*Q.quantize_index_key(x[:, :128]))
+    deq = Q.dequantize_entry(*Q.unpack_entry(wide[:, 3 : 3 + 584], 512, 64), torch.float32)
+    assert torch.equal(deq, Q.fake_quantize_entry(x, 64))
+    k = Q.dequantize_index_key(*Q.unpack_index_key(wide[:, 3 + 584 : 3 + 584 + 132], 128), torch.float32)
+    assert torch.equal(k, Q.fake_quantize_index_key(x[:, :128]))
