@@ -69,17 +69,20 @@ class _Rows:
         full[:, a : a + values.shape[1]] = values.to(full.dtype)
         self.t[blk, :, off] = full.view(blk.shape[0], self.t.shape[1], -1)
 
+    # Entries are bytes (fp8 values, scales, bf16 RoPE values) kept in a cache of the model dtype: read
+    # and write them through a uint8 view of the cache, so no float copy ever handles them.
     def read_bytes(self, blk: torch.Tensor, off: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """Bytes ``a:b`` of the tokens' rows (``uint8 [n, b - a]``; the rows' values viewed as bytes)."""
-        return self.t[blk, :, off].reshape(blk.shape[0], -1).view(torch.uint8)[:, a:b]
+        """Bytes ``a:b`` of the tokens' rows (``uint8 [n, b - a]``)."""
+        return self.t.view(torch.uint8)[blk, :, off].reshape(blk.shape[0], -1)[:, a:b]
 
     def write_bytes(self, blk: torch.Tensor, off: torch.Tensor, a: int, data: torch.Tensor) -> None:
         """Store ``data`` (``uint8 [n, k]``) at bytes ``a:a+k`` of the tokens' rows, other bytes kept."""
         if blk.numel() == 0:
             return
-        full = self.t[blk, :, off].reshape(blk.shape[0], -1)
-        full.view(torch.uint8)[:, a : a + data.shape[1]] = data
-        self.t[blk, :, off] = full.view(blk.shape[0], self.t.shape[1], -1)
+        u = self.t.view(torch.uint8)
+        full = u[blk, :, off].reshape(blk.shape[0], -1)
+        full[:, a : a + data.shape[1]] = data
+        u[blk, :, off] = full.view(blk.shape[0], u.shape[1], -1)
 
 
 class CompactCache(nn.Module):
