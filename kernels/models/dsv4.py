@@ -31,10 +31,14 @@ import torch
 
 import kernels
 
+from . import dsv4_cache
 from .qwen3_dsv3 import FP8_CONFIG_KEY, FP8_SUFFIX, FP8WeightCache, load_state_dict
 from .trace import tap
 
 Getter = Callable[[str], torch.Tensor]
+
+KV_ENTRIES_KEY = "rz_kv_entries"  # config.json / hf_overrides key of V4Config.kv_entries
+KV_ENTRIES_DEFAULT = dsv4_cache.ENTRIES_DEFAULT  # "fp8": what stock vLLM's V4 stores
 
 # Layer kinds (transformers' layer_types; DeepSeek's config spells them as per-layer compress ratios).
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -78,6 +82,10 @@ class V4Config:
     # "blockwise": the FP8 linears (:data:`FP8_LINEARS`) run as blockwise FP8 GEMMs (kernels/fp8.py);
     # config key ``rz_fp8`` (kernels.models.qwen3_dsv3.FP8_CONFIG_KEY), recipe ``model.fp8``.
     fp8: str = "none"
+    # How compressed entries are stored and read (config key ``rz_kv_entries``, :data:`KV_ENTRIES_KEY`):
+    # "fp8" (default, stock vLLM's fp8_ds_mla format: kernels/kv_fp8.py; both engines attend over the
+    # dequantised entries) or "model" (the entries in the model dtype, as transformers' reference keeps them).
+    kv_entries: str = KV_ENTRIES_DEFAULT
 
     def payload_width(self, layer: int) -> int:
         """Floats cached per token in layer ``layer`` (key, then compressor and indexer rows)."""
@@ -165,6 +173,9 @@ def v4_config(config: Any) -> V4Config:
     fp8 = str(_get(config, FP8_CONFIG_KEY, default="none"))
     if fp8 not in ("none", "blockwise"):
         raise ValueError(f"{FP8_CONFIG_KEY}={fp8!r}: expected 'none' or 'blockwise'")
+    kv_entries = str(_get(config, KV_ENTRIES_KEY, default=KV_ENTRIES_DEFAULT))
+    if kv_entries not in dsv4_cache.ENTRIES_FORMATS:
+        raise ValueError(f"{KV_ENTRIES_KEY}={kv_entries!r}: expected one of {', '.join(dsv4_cache.ENTRIES_FORMATS)}")
     score = _get(config, "scoring_func", default="sqrtsoftplus")
     if score != "sqrtsoftplus":
         raise NotImplementedError(f"aligned DeepSeek-V4: scoring_func {score!r} (only sqrtsoftplus)")
@@ -199,6 +210,7 @@ def v4_config(config: Any) -> V4Config:
         inv_freq_compress=_inv_freq(config, "compress", int(rope_dim), theta_comp),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         fp8=fp8,
+        kv_entries=kv_entries,
     )
 
 
@@ -472,11 +484,9 @@ def _entries(c: V4Config, w: Getter, layer: int, kv: torch.Tensor, gate: torch.T
     return _rope_tail(normed.unsqueeze(1), cos, sin).squeeze(1)
 
 
-def layer_entries(c: V4Config, w: Getter, layer: int, rows: torch.Tensor, dtype: torch.dtype,
-                  first: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(entries [n, D], index keys [n, Di] or None)`` of a compressed layer from payload ``rows``
-    (``>= payload_width`` columns) starting at token ``ratio * first`` (compressed sparse layers,
-    ``first > 0``: ``ratio * (first - 1)``): entries ``first ..`` of the complete windows in them."""
+def _pooled_entries(c: V4Config, w: Getter, layer: int, rows: torch.Tensor, dtype: torch.dtype,
+                    first: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The entries as pooled, normed and rotated, before they are stored (:func:`layer_entries`)."""
     D, Di = c.head_dim, c.index_head_dim
     kind = c.layer_kinds[layer]
     width = 2 * D if kind == CSA else D
@@ -487,6 +497,77 @@ def layer_entries(c: V4Config, w: Getter, layer: int, rows: torch.Tensor, dtype:
     o = D + 2 * width
     ikv, igate = rows[:, o : o + 2 * Di], rows[:, o + 2 * Di : o + 4 * Di]
     return comp, _entries(c, w, layer, ikv, igate, "attn.indexer.compressor.", True, dtype, first)
+
+
+def layer_entries(c: V4Config, w: Getter, layer: int, rows: torch.Tensor, dtype: torch.dtype,
+                  first: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(entries [n, D], index keys [n, Di] or None)`` of a compressed layer from payload ``rows``
+    (``>= payload_width`` columns) starting at token ``ratio * first`` (compressed sparse layers,
+    ``first > 0``: ``ratio * (first - 1)``): entries ``first ..`` of the complete windows in them, as
+    the attention reads them: with ``c.kv_entries == "fp8"`` each entry quantised after its RoPE and
+    dequantised (kernels/kv_fp8.py, stock vLLM's cache format; gradient straight through), exactly
+    what :func:`unpack_entries` gives from :func:`stored_entries`' bytes."""
+    comp, idx = _pooled_entries(c, w, layer, rows, dtype, first)
+    if c.kv_entries != "fp8":
+        return comp, idx
+    from kernels import kv_fp8
+
+    return (kv_fp8.fake_quantize_entry(comp, c.rope_dim),
+            None if idx is None else kv_fp8.fake_quantize_index_key(idx))
+
+
+def entry_bytes(c: V4Config, layer: int, dtype: torch.dtype) -> int:
+    """Bytes of one stored entry of compressed layer ``layer`` (main entry, then its indexer key on
+    compressed sparse layers): :func:`kernels.models.dsv4_cache.entry_bytes`."""
+    b = torch.empty(0, dtype=dtype).element_size()
+    return dsv4_cache.entry_bytes(c.compress_ratios[layer], c.head_dim, c.index_head_dim, c.rope_dim, b,
+                                  c.kv_entries, csa=c.layer_kinds[layer] == CSA)
+
+
+def stored_entries(c: V4Config, w: Getter, layer: int, rows: torch.Tensor, dtype: torch.dtype,
+                   first: int = 0) -> torch.Tensor:
+    """The bytes a cache stores for the entries :func:`layer_entries` gives (same arguments):
+    ``uint8 [n, entry_bytes]``; "fp8": :func:`kernels.kv_fp8.pack_entry` then
+    :func:`~kernels.kv_fp8.pack_index_key`; "model": the values' own bytes."""
+    comp, idx = _pooled_entries(c, w, layer, rows, dtype, first)
+    return pack_entries(c, comp, idx)
+
+
+def pack_entries(c: V4Config, comp: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
+    """Stored bytes of pooled entries ``comp`` (and index keys ``idx``) in ``c.kv_entries``' format."""
+    with torch.no_grad():
+        if c.kv_entries == "fp8":
+            from kernels import kv_fp8
+
+            parts = [kv_fp8.pack_entry(*kv_fp8.quantize_entry(comp, c.rope_dim))]
+            if idx is not None:
+                parts.append(kv_fp8.pack_index_key(*kv_fp8.quantize_index_key(idx)))
+        else:
+            parts = [t.detach().contiguous().view(torch.uint8) for t in (comp, idx) if t is not None]
+        return torch.cat(parts, dim=1)
+
+
+def unpack_entries(c: V4Config, layer: int, b: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`stored_entries`' bytes ``uint8 [n, >= entry_bytes]`` -> the entries (and index keys) the
+    attention reads, in ``dtype``: bitwise :func:`layer_entries` of the same rows."""
+    D, Di = c.head_dim, c.index_head_dim
+    csa = c.layer_kinds[layer] == CSA
+    if c.kv_entries == "fp8":
+        from kernels import kv_fp8
+
+        nm = kv_fp8.entry_bytes(D, c.rope_dim)
+        comp = kv_fp8.dequantize_entry(*kv_fp8.unpack_entry(b[:, :nm], D, c.rope_dim), dtype)
+        if not csa:
+            return comp, None
+        idx = kv_fp8.dequantize_index_key(*kv_fp8.unpack_index_key(b[:, nm : nm + kv_fp8.index_key_bytes(Di)], Di),
+                                          dtype)
+        return comp, idx
+    from kernels.kv_fp8 import bytes_as
+
+    nb = torch.empty(0, dtype=dtype).element_size()
+    vals = bytes_as(b[:, : (D + (Di if csa else 0)) * nb], dtype)
+    return vals[:, :D], (vals[:, D:] if csa else None)
 
 
 def attend_entries(c: V4Config, w: Getter, layer: int, state: dict, positions: torch.Tensor, keys: torch.Tensor,

@@ -12,14 +12,18 @@ bytes:
     compressor / indexer projections that are not pooled yet), all layers side by side, kept for
     ``window_tokens`` tokens (the attention window, and at least the ``2 * ratio`` / ``ratio`` tokens
     the next compressed entry pools);
-  - the **entries** cache (a vLLM full-attention cache): each compressed entry (``head_dim`` values;
-    compressed sparse layers also the indexer's ``index_head_dim``-wide key), in the model dtype,
-    written once its window is complete and striped over the rows of the ``ratio`` tokens it pools
-    (``ceil(values / ratio)`` values per token).
+  - the **entries** cache (a vLLM full-attention cache): each compressed entry (the ``head_dim``-wide
+    main entry; compressed sparse layers also the indexer's ``index_head_dim``-wide key), written once
+    its window is complete and striped over the rows of the ``ratio`` tokens it pools
+    (``ceil(bytes / ratio)`` bytes per token). Its bytes (:func:`entry_bytes`): ``entries="fp8"``
+    (the default, stock's format, kernels/kv_fp8.py): 584 B per main entry (448 e4m3 NoPE values, 64
+    bf16 RoPE values, 8 UE8M0 scale bytes) and 132 B per indexer key (128 e4m3 + an fp32 scale) at
+    V4's shapes; ``entries="model"``: the values in the model dtype.
 
   Rows are padded to whole 128-wide K + V head pairs (256 values), what vLLM's CPU attention metadata
-  accepts; the entries row further so that an entries page is a whole number of window pages (vLLM
-  pads unequal pages of one engine to the largest).
+  accepts, and so that the window row is a whole number of entries rows (vLLM then scales the entries
+  cache's block size to give both caches one page size; a page that does not divide is padded to the
+  largest).
 * :func:`stock_layout`: stock vLLM 0.26's DeepSeek-V4 (``vllm/models/deepseek_v4``, cache dtype
   ``fp8_ds_mla``), page by page from its KV cache specs: per layer a sliding-window key cache (584 B
   per token, block 64), on compressed layers the main entries (584 B per entry: 448 fp8 NoPE values,
@@ -37,7 +41,13 @@ import dataclasses
 import math
 from typing import Sequence
 
-__all__ = ["CacheLayout", "aligned_layout", "stock_layout", "HEAD", "ROW_UNIT"]
+__all__ = ["CacheLayout", "aligned_layout", "stock_layout", "entry_bytes", "fp8_entry_bytes", "fp8_index_key_bytes",
+           "HEAD", "ROW_UNIT", "ENTRIES_DEFAULT", "ENTRIES_FORMATS"]
+
+ENTRIES_FORMATS = ("fp8", "model")  # how the aligned V4 engine and learner store / read compressed entries
+ENTRIES_DEFAULT = "fp8"  # stock vLLM's V4 stores fp8 entries (kernels/kv_fp8.py)
+FP8_ENTRY_GROUP = 64  # NoPE values per UE8M0 scale byte
+FP8_INDEX_GROUP = 128  # indexer key values per fp32 scale
 
 HEAD = 128  # cache head size the aligned class uses (vLLM-CPU's attention metadata accepts it)
 ROW_UNIT = 2 * HEAD  # a row is K and V halves of whole heads
@@ -77,6 +87,7 @@ class CacheLayout:
     entries_row: int = 0
     entry_cols: tuple[tuple[int, int], ...] = ()
     dtype_bytes: int = 0
+    entries: str = ""
 
     @property
     def per_token(self) -> float:
@@ -109,58 +120,85 @@ def entry_values(kind_ratio: int, head_dim: int, index_head_dim: int, csa_ratio:
     return head_dim + (index_head_dim if kind_ratio == csa_ratio else 0)
 
 
+def fp8_entry_bytes(head_dim: int, rope_dim: int) -> int:
+    """Bytes of one fp8 main entry (kernels/kv_fp8.py): e4m3 NoPE values, bf16 RoPE values, one UE8M0
+    byte per 64 values of the head (the NoPE groups' scales, then zero padding)."""
+    return (head_dim - rope_dim) + 2 * rope_dim + _ceil(head_dim, FP8_ENTRY_GROUP)
+
+
+def fp8_index_key_bytes(index_head_dim: int) -> int:
+    """Bytes of one fp8 indexer key: e4m3 values, one fp32 scale per 128 values."""
+    return index_head_dim + 4 * _ceil(index_head_dim, FP8_INDEX_GROUP)
+
+
+def entry_bytes(kind_ratio: int, head_dim: int, index_head_dim: int, rope_dim: int, dtype_bytes: int,
+                entries: str = ENTRIES_DEFAULT, csa_ratio: int = 4, csa: bool | None = None) -> int:
+    """Bytes of one stored compressed entry (main entry, then the indexer key on compressed sparse
+    layers: ``csa``, by default ``kind_ratio == csa_ratio``); 0 for a sliding layer."""
+    if not kind_ratio:
+        return 0
+    if entries not in ENTRIES_FORMATS:
+        raise ValueError(f"entries={entries!r}: expected one of {', '.join(ENTRIES_FORMATS)}")
+    csa = kind_ratio == csa_ratio if csa is None else csa
+    if entries == "fp8":
+        return fp8_entry_bytes(head_dim, rope_dim) + (fp8_index_key_bytes(index_head_dim) if csa else 0)
+    return (head_dim + (index_head_dim if csa else 0)) * dtype_bytes
+
+
 def _rows(window_values: int, entry_values_: int, window_tokens: int, block_size: int) -> tuple[int, int]:
     """Row widths (multiples of ROW_UNIT) holding ``window_values`` / ``entry_values_`` such that an
-    entries page (``block_size`` rows) is a whole number of window rows: vLLM gives every cache of an
-    engine one page size, scaling the block size of a smaller page that divides the largest and padding
-    one that does not. Among the few paddings that divide, the cheapest for a 4096-token sequence."""
+    entries page divides a window page, i.e. the window row is a whole number of entries rows: vLLM-CPU
+    (layer-outermost cache layout) gives every cache of an engine one page size
+    (``unify_kv_cache_spec_page_size``), multiplying the block size of a smaller page that divides the
+    largest and padding one that does not to the largest (an entries block would then take a window
+    page). Among the entries paddings, the cheapest for a 4096-token sequence. ``block_size`` (tokens
+    per block, the same for both caches before vLLM scales the entries one) cancels out."""
     w0 = _round_up(max(window_values, 1), ROW_UNIT)
     if not entry_values_:
         return w0, 0
     e0 = _round_up(entry_values_, ROW_UNIT)
     best = None
     for e in range(e0, e0 + 64 * ROW_UNIT, ROW_UNIT):
-        page = block_size * e
-        for w in range(w0, 4 * w0 + 1, ROW_UNIT):
-            if page % w == 0:
-                cost = e * 4096 + w * window_tokens
-                if best is None or cost < best[0]:
-                    best = (cost, w, e)
-                break
-    if best is None:  # no small padding divides: vLLM pads the smaller page (the engine still runs)
-        return w0, e0
+        w = _round_up(w0, e)
+        cost = e * 4096 + w * window_tokens
+        if best is None or cost < best[0]:
+            best = (cost, w, e)
     return best[1], best[2]
 
 
 def aligned_layout(*, head_dim: int, index_head_dim: int, compress_ratios: Sequence[int], sliding_window: int,
-                   dtype_bytes: int, block_size: int = 128, csa_ratio: int = 4, extra: int = 0) -> CacheLayout:
+                   dtype_bytes: int, block_size: int = 128, csa_ratio: int = 4, extra: int = 0,
+                   rope_dim: int = 64, entries: str = ENTRIES_DEFAULT) -> CacheLayout:
     """The aligned class's compact cache (module docstring). ``block_size``: tokens per block of the
-    entries cache; ``extra``: values past layer 0's payload (DeepSeek-V4.1's token-id digits)."""
+    entries cache; ``extra``: values past layer 0's payload (DeepSeek-V4.1's token-id digits);
+    ``entries``: the entries' format ("fp8" or "model", :func:`entry_bytes`)."""
     ratios = [int(r) for r in compress_ratios]
     window_cols, entry_cols = [], []
     wstart = estart = 0
     need = max(1, int(sliding_window))
+    b = dtype_bytes
     for i, r in enumerate(ratios):
         width = payload_width(r, head_dim, index_head_dim, csa_ratio) + (extra if i == 0 else 0)
         window_cols.append((wstart, width))
         wstart += width
-        stripe = _ceil(entry_values(r, head_dim, index_head_dim, csa_ratio), r) if r else 0
+        nbytes = entry_bytes(r, head_dim, index_head_dim, rope_dim, b, entries, csa_ratio)
+        # "model": whole values per token (the stripe of ceil(values / r) values, as bytes)
+        stripe = (_ceil(nbytes, r) if entries == "fp8" else _ceil(nbytes // b, r) * b) if r else 0
         entry_cols.append((estart, stripe))
         estart += stripe
         if r:  # the next entry pools windows w-1 and w (x4 sparse) or w (heavily compressed)
             need = max(need, 2 * r if r == csa_ratio else r)
-    window_row, entries_row = _rows(wstart, estart, need, block_size)
-    b = dtype_bytes
-    per_token = tuple(float(s * b) for _, s in entry_cols)
+    window_row, entries_row = _rows(wstart, _ceil(estart, b), need, block_size)
+    per_token = tuple(float(s) for _, s in entry_cols)
     per_seq = tuple(float(w * b * need) for _, w in window_cols)
     # row padding, put on the last layer so the totals are what the engine allocates
-    pad_tok = (entries_row - estart) * b
+    pad_tok = entries_row * b - estart
     pad_seq = (window_row - wstart) * b * need
     per_token = per_token[:-1] + (per_token[-1] + pad_tok,)
     per_seq = per_seq[:-1] + (per_seq[-1] + pad_seq,)
     return CacheLayout("aligned", per_token, per_seq, window_row=window_row, window_tokens=need,
                        window_cols=tuple(window_cols), entries_row=entries_row, entry_cols=tuple(entry_cols),
-                       dtype_bytes=b)
+                       dtype_bytes=b, entries=entries)
 
 
 def stock_layout(*, head_dim: int, index_head_dim: int, compress_ratios: Sequence[int], sliding_window: int,

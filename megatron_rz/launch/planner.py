@@ -49,8 +49,9 @@ Memory model, per GPU (b = bytes per element of model.dtype: 2 bf16, 4 fp32; 1 G
                  V4    kernels.models.dsv4_cache (the same on every TP rank: one KV head):
                        fast: stock vLLM 0.26's pages (fp8 entries of 584 B per ratio tokens, 132 B
                        indexer keys per 4 tokens) + per sequence its sliding windows and fp32
-                       compressor states; aligned: the compressed entries in the model dtype
-                       striped over their tokens + per sequence a window of payload rows
+                       compressor states; aligned: the compressed entries in stock's fp8 format
+                       (kernels/kv_fp8.py) striped over their tokens + per sequence a window of
+                       payload rows
                        (docs/architecture.md "The DeepSeek-V4 cache"); V4.1 aligned: one payload
                        row per token and layer (key + compressor / indexer rows, padded to a
                        multiple of 256) in the model dtype
@@ -237,7 +238,12 @@ def v4_cache_layout(m: ModelConfig, aligned: bool):
 
     kw = dict(head_dim=m.head_dim, index_head_dim=m.index_head_dim, compress_ratios=m.compress_ratios[:m.num_layers],
               sliding_window=m.sliding_window)
-    return dsv4_cache.aligned_layout(dtype_bytes=_bytes(m.dtype), **kw) if aligned else dsv4_cache.stock_layout(**kw)
+    if not aligned:
+        return dsv4_cache.stock_layout(**kw)
+    # the entries in the V4 classes' default format (fp8, as stock; a checkpoint's rz_kv_entries=model
+    # stores them in the model dtype instead: aligned_layout(entries="model"))
+    return dsv4_cache.aligned_layout(dtype_bytes=_bytes(m.dtype), rope_dim=m.qk_rope_head_dim,
+                                     entries=dsv4_cache.ENTRIES_DEFAULT, **kw)
 
 
 def _v4_aligned_payload(m: ModelConfig) -> int:

@@ -8,7 +8,10 @@ seconds. The stock-vLLM (fast) side of the tiny recipe is tests/integration/test
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,11 +66,20 @@ def test_functions_match_transformers_and_decode_equals_prefill(tmp_path):
     ids = torch.randint(0, 96, (2, 150))
     with torch.no_grad():
         ref = m(ids).logits.float()
-    ours = R.reference_logits(sd, cfg, ids)
+    # transformers keeps the compressed entries unquantised: our "model" entries format
+    c_model = dataclasses.replace(R.v4_config(cfg), kv_entries="model")
+    ours = R.reference_logits(sd, c_model, ids)
     # measured 8.6e-7 (fp32, different op order). 16 indexer heads: an entry scores exactly 0 only if
     # all 16 ReLU'd dots are <= 0, and among such ties torch.topk's pick is arbitrary (ours: lowest
     # index); with 4 heads ties were common and the two picks differed (0.25 at one position).
     assert (ours - ref).abs().max().item() < 1e-5
+    # the default (stock's fp8 entries) attends over quantised entries: close to, not equal to, them
+    c = R.v4_config(cfg)
+    assert c.kv_entries == "fp8"
+    ours8 = R.reference_logits(sd, c, ids)
+    d8 = (ours8 - ref).abs().max().item()
+    print(f"\nfp8 entries vs transformers (unquantised): max |dlogit| {d8:.3g}")
+    assert 0 < d8 < 1.0
 
     # original names are what transformers loads: HF -> original -> HF is exact
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
@@ -76,29 +88,30 @@ def test_functions_match_transformers_and_decode_equals_prefill(tmp_path):
     for k, v in m.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
 
-    # token-by-token decode over a growing payload history == the full-sequence forward, bitwise
-    c = R.v4_config(cfg)
+    # token-by-token decode over a growing payload history == the full-sequence forward, bitwise (both
+    # entries formats)
+    import kernels
+
     seq = ids[1, :40]
-    caches = [torch.empty(0, c.payload_width(i)) for i in range(c.num_layers)]
-    rows = []
-    for t in range(len(seq)):
-        one, pos = seq[t : t + 1], torch.tensor([t])
-        st = R.embed(c, sd["embed.weight"], one)
-        for i in range(c.num_layers):
-            w = lambda n, i=i: sd[f"layers.{i}." + n]
+    for cc, full in ((c, ours8), (c_model, ours)):
+        caches = [torch.empty(0, cc.payload_width(i)) for i in range(cc.num_layers)]
+        rows = []
+        for t in range(len(seq)):
+            one, pos = seq[t : t + 1], torch.tensor([t])
+            st = R.embed(cc, sd["embed.weight"], one)
+            for i in range(cc.num_layers):
+                w = lambda n, i=i: sd[f"layers.{i}." + n]
 
-            def attend(state, i=i, w=w):
-                caches[i] = torch.cat([caches[i], state["payload"]])
-                return R.attend_sequence(c, w, i, state, pos, caches[i])
+                def attend(state, i=i, w=w, cc=cc):
+                    caches[i] = torch.cat([caches[i], state["payload"]])
+                    return R.attend_sequence(cc, w, i, state, pos, caches[i])
 
-            st = R.layer_forward(c, w, i, st, one, pos, attend)
-        import kernels
-
-        rows.append(kernels.lm_head_logits(R.final_hidden(c, sd.__getitem__, st), sd["head.weight"],
-                                           out_dtype=torch.float32))
-    assert torch.equal(torch.cat(rows), R.reference_logits(sd, c, seq[None])[0])
-    # ... and batch composition does not matter
-    assert torch.equal(R.reference_logits(sd, c, ids[1:2])[0], ours[1])
+                st = R.layer_forward(cc, w, i, st, one, pos, attend)
+            rows.append(kernels.lm_head_logits(R.final_hidden(cc, sd.__getitem__, st), sd["head.weight"],
+                                               out_dtype=torch.float32))
+        assert torch.equal(torch.cat(rows), R.reference_logits(sd, cc, seq[None])[0]), cc.kv_entries
+        # ... and batch composition does not matter
+        assert torch.equal(R.reference_logits(sd, cc, ids[1:2])[0], full[1]), cc.kv_entries
 
 
 def test_selection_ignores_entries_not_ready():
@@ -138,7 +151,7 @@ def small_ckpt(tmp_path_factory) -> Path:
     return d
 
 
-def test_learner_round_trip_and_matches_transformers(small_ckpt):
+def test_learner_round_trip_and_matches_transformers(small_ckpt, tmp_path):
     """HF checkpoint -> Megatron learner -> exported weights is exact, and the learner's forward on
     those weights matches transformers' fp32 DeepseekV4ForCausalLM (150 tokens: every layer kind)."""
     from transformers import DeepseekV4ForCausalLM
@@ -157,8 +170,19 @@ def test_learner_round_trip_and_matches_transformers(small_ckpt):
     ids = torch.randint(2, 96, (2, 150), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    # the checkpoint's default entries are stock's fp8 ones; transformers keeps them unquantised, which
+    # a checkpoint declares with rz_kv_entries=model (a copy of small_ckpt that does)
+    got8 = learner.logprobs(ids)[:, 1:]
+    plain = tmp_path / "model_entries"
+    shutil.copytree(small_ckpt, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**cfg, R.KV_ENTRIES_KEY: "model"}))
+    learner = Learner(r.model, r.parallel, r.algo, hf_dir=str(plain), train=False, mode="aligned")
     got = learner.logprobs(ids)[:, 1:]
     assert (got - ref).abs().max().item() < 1e-4
+    d8 = (got8 - ref).abs().max().item()
+    print(f"\nlearner, fp8 entries vs transformers: max |dlogp| {d8:.3g}")
+    assert 1e-4 < d8 < 1.0
 
 
 def test_learner_ep2_equals_ep1(small_ckpt, tmp_path):

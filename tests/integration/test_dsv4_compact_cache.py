@@ -6,11 +6,13 @@ redrawn. Prompts of 3 to 130 tokens, so that prefill and decode start and end on
 and x128 pooling-window boundaries and of the 16-token window:
 
 * vLLM allocated the two caches from the specs the layout names (a sliding-window cache of
-  ``window_tokens``, a full-attention entries cache) and their bytes per token slot are the
-  planner's (``megatron_rz.launch.planner``, from the recipe);
+  ``window_tokens``, a full-attention entries cache holding the entries' bytes in stock's fp8 format,
+  the default) and their bytes per token slot are the planner's (``megatron_rz.launch.planner``, from
+  the recipe);
 * every sampled token's logprob (decode) and every prompt logprob of the finished sequence re-scored
   as one prompt (prefill) is torch.equal the full-sequence reference (what the learner equals
-  bitwise: test_dsv4_aligned.py);
+  bitwise: test_dsv4_aligned.py), which quantises and dequantises each entry where the engine
+  stores and reads its bytes;
 * each prompt generated alone equals it generated in the batch of all of them.
 """
 
@@ -60,6 +62,12 @@ def test_caches_are_the_planned_layout(setup):
 
     (layers,) = setup["llm"].collective_rpc("rz_kv_cache_layers")
     lay = layout_of(setup["c"], torch.float32)
+    # the default entries format, stock's fp8 (kernels/kv_fp8.py), at SMALL's shapes: 49-B main entries
+    # (16 e4m3 NoPE values, 16 bf16 RoPE values, 1 scale byte), 20-B indexer keys (16 e4m3 + an fp32
+    # scale), striped over the ratio tokens' rows
+    assert setup["c"].kv_entries == lay.entries == "fp8"
+    assert [s for _, s in lay.entry_cols] == [-(-(16 + 32 + 1 + 16 + 4) // 4), -(-(16 + 32 + 1) // 128), 0,
+                                              -(-(16 + 32 + 1 + 16 + 4) // 4)]
     assert set(layers) == {WINDOW, ENTRIES}
     win, ent = layers[WINDOW], layers[ENTRIES]
     assert win["spec"] == "SlidingWindowSpec" and win["sliding_window"] == lay.window_tokens == 128

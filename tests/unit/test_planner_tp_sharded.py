@@ -146,13 +146,15 @@ def test_aligned_deepseek_v4_flash_at_tp8_fits_an_h200():
     assert 71.0 < plan.rollout_mem["weights"] < 71.1
     assert 117.0 < sum(plan.rollout_mem.values()) < 117.1 <= r.cluster.rollout.gpu_memory_gb
     # the compact cache, replicated over the 8 ranks (kernels/models/dsv4_cache.py; docs/architecture.md
-    # "The DeepSeek-V4 cache"): per token the entries row, x4 layers (512 + 128) / 4 = 160 values,
-    # x128 layers 512 / 128 = 4 (20 x 160 + 23 x 4 = 3292, padded to 3328), bf16; per sequence a
-    # 128-token window of payload rows (20 x 3072 + 23 x 1536 = 96768 values, padded to 106496)
-    assert abs(plan.rollout_seqs_fit - 40 * GiB / (16384 * 3328 * 2 + 128 * 106496 * 2)) < 1e-6
-    assert int(plan.rollout_seqs_fit) == 315
+    # "The DeepSeek-V4 cache"): per token the entries row of fp8 entries (stock's format), x4 layers
+    # (584 + 132) / 4 = 179 bytes, x128 layers 584 / 128 -> 5 (20 x 179 + 23 x 5 = 3695 B = 1848 bf16
+    # values, padded to 2048); per sequence a 128-token window of payload rows (20 x 3072 + 23 x 1536 =
+    # 96768 values, padded to 98304 = 48 entries rows)
+    assert abs(plan.rollout_seqs_fit - 40 * GiB / (16384 * 2048 * 2 + 128 * 98304 * 2)) < 1e-6
+    assert int(plan.rollout_seqs_fit) == 465
     stock = make_plan(_recipe("deepseek_v4_flash", "mode=fast"))
     assert int(stock.rollout_seqs_fit) == 547  # 3755.25 B per token + 16.2 MiB per sequence
+    assert plan.rollout_seqs_fit >= 0.8 * stock.rollout_seqs_fit
     assert not any("not sharded yet" in n for n in plan.notes)
 
 

@@ -14,7 +14,15 @@ learner runs over its full sequence. The stock vLLM model instead keeps an fp8 c
 fused CPU kernels (its ``fast`` counterpart).
 
 Cost: compressed entries are re-pooled from the payloads at every step (cheap elementwise work, no
-GEMM); the cache holds all tokens, not only the sliding window.
+GEMM); the cache holds all tokens, not only the sliding window. (The CPU engine's compact cache,
+``COMPACT_CACHE``, vllm_bridge/aligned/dsv4_cache.py, keeps a window of payload rows and each entry
+once instead.)
+
+Compressed entries are attended as stock vLLM stores them (config key ``rz_kv_entries``,
+:class:`kernels.models.dsv4.V4Config` ``kv_entries``): "fp8" by default, each entry quantised after its
+RoPE in stock's fp8_ds_mla format and dequantised (kernels/kv_fp8.py; the compact cache stores those
+bytes), "model" keeps them in the model dtype. The learner reads the same key from the same
+config.json, so both sides attend over the same values.
 
 Tensor parallelism (``TP_SHARDED``, vLLM tensor_parallel_size t > 1; docs/tp.md "DeepSeek-V4"), what
 stock vLLM's V4 splits, every logprob bitwise the TP=1 one (:class:`kernels.models.dsv4.TPShard`):

@@ -8,16 +8,20 @@ same function the layout planner uses).
   read; vLLM keeps at least the ``window - 1`` tokens before a step, which covers the attention window
   and the rows the entries completed in the step pool.
 * ``rz_cache.1.entries``: an ``Attention`` layer of full attention (``FullAttentionSpec``), one row
-  per token holding every compressed layer's *stripe*: entry ``e`` of a layer of ratio ``r`` (its
-  ``head_dim`` values, then on compressed sparse layers its indexer key) is written in the step that
-  completes its window, split over the rows of the ``r`` tokens it pools (``stripe`` values each).
+  per token holding every compressed layer's *stripe* of bytes: entry ``e`` of a layer of ratio ``r``
+  (its stored bytes, :func:`kernels.models.dsv4.stored_entries`: by default stock's fp8 format, 584 B
+  main entry + 132 B indexer key at V4 shapes, kernels/kv_fp8.py; with ``rz_kv_entries=model`` the
+  values in the model dtype) is written in the step that completes its window, split over the rows of
+  the ``r`` tokens it pools (``stripe`` bytes each, the row's values viewed as bytes).
 
 Nothing in the two caches is attention in vLLM's sense: the model reads and writes them itself through
 the layers' metadata (``vllm_compat.attention_context``), so the cache tensors are plain memory in the
-model dtype. Each query is then answered by :func:`kernels.models.dsv4.attend_entries` from its
-sequence's keys (zeros outside the window) and entries: the entries stored in earlier steps are the
-bits the pooling gave then, and :func:`kernels.models.dsv4.layer_entries` pools every entry from the
-rows of its own windows only, so they are the bits the learner's whole-sequence pooling gives.
+model dtype (the entries' bytes packed into them exactly). Each query is then answered by
+:func:`kernels.models.dsv4.attend_entries` from its sequence's keys (zeros outside the window) and
+entries: the entries stored in earlier steps are the bytes the pooling and quantisation gave then,
+:func:`kernels.models.dsv4.stored_entries` pools every entry from the rows of its own windows only,
+and :func:`kernels.models.dsv4.unpack_entries` reads them back as the learner's
+:func:`kernels.models.dsv4.layer_entries` gives them, bitwise.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ ENTRIES = "rz_cache.1.entries"
 def layout_of(c: R.V4Config, dtype: torch.dtype) -> CacheLayout:
     """The compact layout of config ``c`` in ``dtype`` (what the planner computes from the recipe)."""
     return aligned_layout(head_dim=c.head_dim, index_head_dim=c.index_head_dim, compress_ratios=c.compress_ratios,
-                          sliding_window=c.sliding_window, dtype_bytes=torch.empty(0, dtype=dtype).element_size())
+                          sliding_window=c.sliding_window, dtype_bytes=torch.empty(0, dtype=dtype).element_size(),
+                          rope_dim=c.rope_dim, entries=c.kv_entries)
 
 
 class _Rows:
@@ -63,6 +68,21 @@ class _Rows:
         full = self.t[blk, :, off].reshape(blk.shape[0], -1)
         full[:, a : a + values.shape[1]] = values.to(full.dtype)
         self.t[blk, :, off] = full.view(blk.shape[0], self.t.shape[1], -1)
+
+    # Entries are bytes (fp8 values, scales, bf16 RoPE values) kept in a cache of the model dtype: read
+    # and write them through a uint8 view of the cache, so no float copy ever handles them.
+    def read_bytes(self, blk: torch.Tensor, off: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Bytes ``a:b`` of the tokens' rows (``uint8 [n, b - a]``)."""
+        return self.t.view(torch.uint8)[blk, :, off].reshape(blk.shape[0], -1)[:, a:b]
+
+    def write_bytes(self, blk: torch.Tensor, off: torch.Tensor, a: int, data: torch.Tensor) -> None:
+        """Store ``data`` (``uint8 [n, k]``) at bytes ``a:a+k`` of the tokens' rows, other bytes kept."""
+        if blk.numel() == 0:
+            return
+        u = self.t.view(torch.uint8)
+        full = u[blk, :, off].reshape(blk.shape[0], -1)
+        full[:, a : a + data.shape[1]] = data
+        u[blk, :, off] = full.view(blk.shape[0], u.shape[1], -1)
 
 
 class CompactCache(nn.Module):
@@ -148,24 +168,25 @@ class CompactCache(nn.Module):
     def _entries(self, i, w, c, ent: "_Rows", btab, es: int, stripe: int, rows, lo: int, done: int, Ls: int, dtype):
         """Entries 0 .. Ls // r - 1 of layer ``i`` for one sequence: those complete before this step
         read back from the entries cache, the ones this step completes pooled from the window rows and
-        written there."""
+        written there. ``es`` / ``stripe``: the layer's byte offset and bytes per token in the row;
+        what is stored is :func:`kernels.models.dsv4.stored_entries`' bytes (fp8 or model dtype), what
+        is returned is :func:`kernels.models.dsv4.unpack_entries` of them (the learner's
+        :func:`~kernels.models.dsv4.layer_entries`, bitwise)."""
         r = c.compress_ratios[i]
-        D, Di = c.head_dim, c.index_head_dim
         csa = c.layer_kinds[i] == R.CSA
-        nv = D + (Di if csa else 0)
+        nb = R.entry_bytes(c, i, dtype)
         old, end = done // r, Ls // r
         if old:
             blk, off = ent.slots_of(btab, torch.arange(old * r))
-            vals = ent.read(blk, off, es, es + stripe).reshape(old, r * stripe)[:, :nv]
+            stored = ent.read_bytes(blk, off, es, es + stripe).reshape(old, r * stripe)[:, :nb]
         else:
-            vals = rows.new_zeros(0, nv)
+            stored = rows.new_zeros(0, nb, dtype=torch.uint8)
         if end > old:
             start = r * (old - 1) if csa and old else r * old
-            new_main, new_idx = R.layer_entries(c, w, i, rows[start - lo : end * r - lo], dtype, first=old)
-            new = new_main if new_idx is None else torch.cat([new_main, new_idx], dim=1)
+            new = R.stored_entries(c, w, i, rows[start - lo : end * r - lo], dtype, first=old)
             padded = new.new_zeros(end - old, r * stripe)
-            padded[:, :nv] = new
+            padded[:, :nb] = new
             blk, off = ent.slots_of(btab, torch.arange(old * r, end * r))
-            ent.write(blk, off, es, padded.reshape((end - old) * r, stripe))
-            vals = torch.cat([vals.to(new.dtype), new], dim=0)
-        return vals[:, :D], (vals[:, D:nv] if csa else None)
+            ent.write_bytes(blk, off, es, padded.reshape((end - old) * r, stripe))
+            stored = torch.cat([stored, new], dim=0)
+        return R.unpack_entries(c, i, stored, dtype)
