@@ -133,6 +133,15 @@ def redraw(ckpt_dir: str | Path, seed: int, draw) -> None:
     save_file(sd, str(f), metadata={"format": "pt"})
 
 
+# A small DeepSeek-V4 (recipes/tiny_dsv4.yaml overrides): every layer kind, fp32, aligned; what the V4
+# engine / learner / cache tests build their checkpoints from
+V4_SMALL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_dim=32", "model.qk_rope_head_dim=16",
+            "model.q_lora_rank=32", "model.o_groups=2", "model.o_lora_rank=16", "model.num_experts=8", "model.top_k=2",
+            "model.moe_ffn_hidden_size=16", "model.index_n_heads=16", "model.index_head_dim=16", "model.index_topk=3",
+            "model.sliding_window=16", "model.vocab_size=96", "warm_start.tokenizer_vocab=96", "model.dtype=float32",
+            "rollout.dtype=float32", "mode=aligned"]
+
+
 def v4_draw(name, v, g):
     """:func:`redraw`'s DeepSeek-V4 rule: every float tensor redrawn, 0.3 for vectors, 0.15 for
     matrices (a random V4 checkpoint's own scales leave its routing and compressors degenerate)."""

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import V4_SMALL
+
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM (needs >= 5.19)", allow_module_level=True)
@@ -26,11 +28,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from kernels.models import dsv4 as R  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_dim=32", "model.qk_rope_head_dim=16",
-         "model.q_lora_rank=32", "model.o_groups=2", "model.o_lora_rank=16", "model.num_experts=8", "model.top_k=2",
-         "model.moe_ffn_hidden_size=16", "model.index_n_heads=16", "model.index_head_dim=16", "model.index_topk=3",
-         "model.sliding_window=16", "model.vocab_size=96", "warm_start.tokenizer_vocab=96", "model.dtype=float32",
-         "rollout.dtype=float32", "mode=aligned"]
+SMALL = V4_SMALL
 
 
 def _hf_model():

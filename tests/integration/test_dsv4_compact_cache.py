@@ -23,18 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import aligned_llm, assert_generate_and_prompt_logprobs, redraw, v4_draw
+from helpers import V4_SMALL, aligned_llm, assert_generate_and_prompt_logprobs, redraw, v4_draw
 
 vllm = pytest.importorskip("vllm")
 
 from kernels.models import dsv4 as R  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_dim=32", "model.qk_rope_head_dim=16",
-         "model.q_lora_rank=32", "model.o_groups=2", "model.o_lora_rank=16", "model.num_experts=8", "model.top_k=2",
-         "model.moe_ffn_hidden_size=16", "model.index_n_heads=16", "model.index_head_dim=16", "model.index_topk=3",
-         "model.sliding_window=16", "model.vocab_size=96", "warm_start.tokenizer_vocab=96", "model.dtype=float32",
-         "rollout.dtype=float32", "mode=aligned"]
+SMALL = V4_SMALL
 LENGTHS = [3, 6, 14, 17, 124, 130]  # decode of 6 crosses x4 windows, the 16-token window and (124) x128's
 MAX_NEW = 6
 PROMPTS = [torch.randint(2, 96, (n,), generator=torch.Generator().manual_seed(900 + i)).tolist()

@@ -21,6 +21,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def _interpret(child: str, done: str) -> None:
+    """Run ``child`` in a fresh interpreter with TRITON_INTERPRET=1 (set before Triton is imported);
+    it must exit 0 and print ``done`` (its last line, after every assertion)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", child], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert done in r.stdout
+
 CHILD = r'''
 import torch
 from kernels.triton import attn as A
@@ -123,11 +133,7 @@ print("interpreted kernels OK")
 
 
 def test_launch_plans_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted kernels OK" in r.stdout
+    _interpret(CHILD, "interpreted kernels OK")
 
 
 CHILD_PIECES = r'''
@@ -162,12 +168,7 @@ def test_draw_in_vocabulary_pieces_is_the_one_program_draw_in_the_interpreter():
     """A small batch races each row's vocabulary in pieces and folds them in order: the same tokens
     as one program per row (keyed and unkeyed, a greedy tie across pieces, a kept set in the short
     last piece, a row with nothing above -inf), and the same token log-probs and finite flag."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD_PIECES], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted draw pieces OK" in r.stdout
+    _interpret(CHILD_PIECES, "interpreted draw pieces OK")
 
 
 CHILD_GRADS = r'''
@@ -222,12 +223,7 @@ def test_triton_forwards_with_the_closed_form_backwards_in_the_interpreter():
     """The GPU path of kernels.rms_norm / apply_rope / swiglu / moe_combine / logprobs_from_logits:
     each Triton forward (interpreted) wired to its kernels/grads.py backward, against autograd of the
     CPU reference."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD_GRADS], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted grads OK" in r.stdout
+    _interpret(CHILD_GRADS, "interpreted grads OK")
 
 
 CHILD_LSM = r'''
@@ -257,12 +253,7 @@ print("interpreted log-softmax OK")
 def test_log_softmax_with_all_inf_vocabulary_pieces_in_the_interpreter():
     """Top-k masked logits over a vocabulary of several 16,384-column pieces: a piece whose logits
     are all -inf must not turn the row into nan (the GPU log-softmax's piece statistics)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD_LSM], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted log-softmax OK" in r.stdout
+    _interpret(CHILD_LSM, "interpreted log-softmax OK")
 
 
 CHILD_SEG = r'''
@@ -310,12 +301,7 @@ def test_gemm_segments_shorter_than_a_tile_in_the_interpreter():
     """A K segment that does not fill a 16-wide tile is masked at its own end (not at K): each
     segment sums only its columns, and the segments add up to the full product (values; the GPU
     test checks the bits). The same for the grouped expert GEMM."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD_SEG], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted short segments OK" in r.stdout
+    _interpret(CHILD_SEG, "interpreted short segments OK")
 
 
 CHILD_ADDNORM = r'''
@@ -344,9 +330,4 @@ print("interpreted add + norm OK")
 def test_fused_residual_add_and_norm_equals_the_two_ops_in_the_interpreter():
     """The residual add fused into the next RMSNorm gives the add's bits and the norm of the rounded
     sum (the same row function as the plain norm kernel)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD_ADDNORM], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "interpreted add + norm OK" in r.stdout
+    _interpret(CHILD_ADDNORM, "interpreted add + norm OK")
