@@ -180,6 +180,9 @@ def main():
     ap.add_argument("--fp8-sweep", action="store_true", help="also time every FP8 config at M >= 128")
     ap.add_argument("--groups", nargs="*", default=["gemm", "rmsnorm", "logprobs", "attention"])
     args = ap.parse_args()
+    if args.out and os.path.exists(args.out):  # never overwrite an earlier run's results
+        print(f"gpu_kernels: --out {args.out} already exists; give another --out", file=sys.stderr)
+        raise SystemExit(2)
     t0 = time.time()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, cuda=torch.version.cuda)
