@@ -350,7 +350,8 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
     return res
 
 
-def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = "aligned", seeded: bool = True) -> dict:
+def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = "aligned", seeded: bool = True,
+            max_len: int = 0) -> dict:
     """Where the time goes: one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), per cell:
     * the unprofiled wall of the cell and of the same prompts with half the new tokens, whose
       difference over the extra tokens is the marginal decode step;
@@ -377,7 +378,9 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
     settings.set_batched_draw(os.environ.get("RZ_BATCHED_DRAW", "1") != "0")
     settings.set_decode_rows(int(os.environ.get("RZ_DECODE_ROWS", "64")))
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
-    eng = _engine(ckpt, aligned, mem_gb=16, max_len=max(p + n for _, p, n in cells) + 16)
+    # max_len: the engine's max_model_len, which sets the block table's width and so the split-KV
+    # decode plan; give the bench grid's (--max-len 3088 for DEFAULT_CELLS) to profile what it runs
+    eng = _engine(ckpt, aligned, mem_gb=16, max_len=max_len or max(p + n for _, p, n in cells) + 16)
     res: dict = {"ckpt": ckpt, "engine": kind, "env": env, "cells": []}
     lines = []
     replays = [0]  # CUDA graph replays (the in-process engine's decode steps, when it replays them)
@@ -484,6 +487,8 @@ def main(argv=None) -> int:
     d.add_argument("--cells", default="64x512x256")
     d.add_argument("--engine", default="aligned", choices=sorted(ENGINE_KINDS))
     d.add_argument("--seeded", default="on", choices=("on", "off"), help="per-request seeds")
+    d.add_argument("--max-len", type=int, default=0,
+                   help="the engine's max_model_len (default: the cells' longest + 16; the bench uses its grid's)")
     args = ap.parse_args(argv)
     taken = os.path.join(args.out, "config.json") if args.cmd == "ckpt" else args.out
     if os.path.exists(taken):  # never overwrite an earlier run's results or checkpoint
@@ -495,7 +500,7 @@ def main(argv=None) -> int:
     elif args.cmd == "check":
         check(args.ckpt, args.out, which=tuple(args.engines.split(",")))
     elif args.cmd == "profile":
-        profile(args.ckpt, args.out, cells, args.engine, args.seeded == "on")
+        profile(args.ckpt, args.out, cells, args.engine, args.seeded == "on", args.max_len)
     else:
         seeded = [{"on": True, "off": False}[x] for x in args.seeded.split(",")]
         if args.cmd == "bench-one":
