@@ -22,13 +22,16 @@ import json
 import torch
 
 
-def _setup(B: int, L: int, Hq=16, Hkv=4, D=128, PAGE=16, seed=0):
+def _setup(B: int, L: int, Hq=16, Hkv=4, D=128, PAGE=16, seed=0, table_len=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     nbs = (L + PAGE - 1) // PAGE
     nb = B * nbs + 8
     cache = torch.randn(nb, Hkv, PAGE, 2 * D, device="cuda", dtype=torch.bfloat16, generator=g)
     perm = torch.randperm(nb, device="cuda", generator=g)[: B * nbs].to(torch.int32)
     bt = perm.view(B, nbs).contiguous()
+    width = (table_len + PAGE - 1) // PAGE
+    if width > nbs:  # the engine's table: as wide as max_model_len, unused entries 0 (never read)
+        bt = torch.cat([bt, bt.new_zeros(B, width - nbs)], dim=1).contiguous()
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
     cu = torch.arange(B + 1, device="cuda", dtype=torch.int32)
     sl = torch.full((B,), L, device="cuda", dtype=torch.int32)
@@ -57,7 +60,8 @@ def _time(fn, iters: int) -> float:
     return a.elapsed_time(b) * 1000.0 / (reps * 20)
 
 
-def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]]) -> dict:
+def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]], chunks: tuple = (256,),
+        table_len: int = 0) -> dict:
     from kernels.triton import attn as A
 
     try:
@@ -65,10 +69,11 @@ def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]])
     except Exception as e:  # noqa: BLE001 - report, run the rest
         flash_attn_varlen_func, fa_err = None, repr(e)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    res = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "shapes": []}
+    res = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "table_len": table_len, "shapes": []}
+    contract_chunk = A.KV_CHUNK
     for Hq, Hkv in heads:
         for B, L in shapes:
-            q, cache, bt, cu, sl = _setup(B, L, Hq=Hq, Hkv=Hkv)
+            q, cache, bt, cu, sl = _setup(B, L, Hq=Hq, Hkv=Hkv, table_len=table_len)
             D = q.shape[-1]
             kc, vc = cache[..., :D], cache[..., D:]
             nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
@@ -89,6 +94,28 @@ def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]])
                     row["us"][key] = round(_time(f, iters), 2)
                     row["equal"][key] = bool(torch.equal(o, one))
             row["every_plan_equals_one_pass"] = all(row["equal"].values())
+            # what-if: another KV_CHUNK (a different numerics contract: bits differ from the
+            # contract's, so only its own plans are compared), default split plan, 64 and 16 rows
+            for c in chunks:
+                if c == contract_chunk:
+                    continue
+                A.KV_CHUNK = c
+                try:
+                    ncc = (bt.shape[1] * kc.shape[2] + c - 1) // c
+                    ref_c = torch.empty_like(q)
+                    A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=ref_c, splits=1, rows=64)
+                    for rows in (64, 16):
+                        if A.decode_tile(Hq // Hkv, rows)[0] != rows:
+                            continue
+                        s_ = A.decode_splits(B, Hkv, ncc, sms, rows)
+                        o = torch.empty_like(q)
+                        f = lambda s=s_, o=o, r=rows: A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5,  # noqa: E731
+                                                                        max_q_len=1, out=o, splits=s, rows=r)
+                        key = f"chunk{c}_r{rows}_splits{s_}"
+                        row["us"][key] = round(_time(f, iters), 2)
+                        row["equal"][key] = bool(torch.equal(o, ref_c))
+                finally:
+                    A.KV_CHUNK = contract_chunk
             if flash_attn_varlen_func is not None:
                 # vLLM's layout: [num_blocks, PAGE, Hkv, D] (slot-major); the same keys, copied
                 kf = kc.permute(0, 2, 1, 3).contiguous()
@@ -119,10 +146,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="32x2560,32x1024,64x640,128x768,256x1100,1x3000")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--heads", default="16/4", help="query / KV heads, comma-separated (e.g. 16/4,32/4,12/2)")
+    ap.add_argument("--chunks", default="256", help="KV_CHUNK sizes to time (what-if; the contract's is 256)")
+    ap.add_argument("--table-len", type=int, default=0,
+                    help="block-table width in keys (the engine's max_model_len; default: each shape's keys)")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     heads = [tuple(int(x) for x in h.split("/")) for h in a.heads.split(",")]
-    res = run(shapes, a.iters, heads)
+    res = run(shapes, a.iters, heads, tuple(int(c) for c in a.chunks.split(",")), a.table_len)
     json.dump(res, open(a.out, "w"), indent=1)
 
 
