@@ -267,6 +267,45 @@ def test_fused_residual_add_and_norm_is_bitwise_the_two_ops(dtype):
         assert torch.equal(h1, h[:1]) and torch.equal(y1, y[:1]), (R, D)
 
 
+@pytest.mark.parametrize("K", [1536, 8960])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_gemm_partials_into_add_rms_norm_are_bitwise_the_reduce_and_add_rms_norm(K, with_bias):
+    """A row-parallel GEMM's split-mode partials summed inside the residual add + RMSNorm (one
+    launch; the engine's o_proj / down_proj into the next norm) == ``matmul`` (its own reduce
+    kernel) then ``add_rms_norm``, bit for bit in bf16: Qwen2-1.5B shapes (K = 1536 / 8960 -> N =
+    1536, 8 segments), decode and mid M, every split config, with and without a bias; and the same
+    through ``kernels.linear_unreduced`` / ``finish_unreduced`` / ``add_rms_norm``."""
+    _need_cuda()
+    import kernels
+    from kernels.triton.gemm import CONFIGS, matmul, matmul_partials, reduce_partials
+    from kernels.triton.rmsnorm import add_partials_rms_norm
+
+    N, segs = 1536, 8
+    w = _randn(N, K, seed=40, scale=K ** -0.5)
+    b = _randn(N, seed=41) if with_bias else None
+    nw = (_randn(N, seed=42, dtype=torch.float32).abs() + 0.5).to(torch.bfloat16)
+    split = {name: cfg for name, cfg in CONFIGS.items() if cfg.split}
+    for M in (1, 7, 32, 64, 200):
+        x = _randn(M, K, seed=43 + M)
+        h0 = _randn(M, N, seed=44 + M, scale=4.0)
+        want = matmul(x, w, b, k_segments=segs)  # the config the dispatcher picks, reduce kernel included
+        hw, yw = kernels.add_rms_norm(h0, want, nw, 1e-6)
+        assert torch.equal(hw, h0 + want), M
+        for name, cfg in split.items():
+            ws, is_parts = matmul_partials(x, w, b, k_segments=segs, config=cfg)
+            assert is_parts and ws.shape == (segs, M, N), name
+            assert torch.equal(reduce_partials(ws, b, out_dtype=torch.bfloat16), want), (M, name)
+            h, y = add_partials_rms_norm(h0, ws, b, nw, 1e-6)
+            assert torch.equal(h, hw) and torch.equal(y, yw), f"M={M} {name}"
+        d = kernels.linear_unreduced(x, w, b, k_segments=segs)  # what the engine's fast path calls
+        assert torch.equal(kernels.finish_unreduced(d), want), M
+        h, y = kernels.add_rms_norm(h0, d, nw, 1e-6)
+        assert torch.equal(h, hw) and torch.equal(y, yw), M
+        h1, y1 = add_partials_rms_norm(h0[:1], matmul_partials(x[:1], w, b, k_segments=segs,
+                                                               config=split["d16_n64_split"])[0], b, nw, 1e-6)
+        assert torch.equal(h1, hw[:1]) and torch.equal(y1, yw[:1]), M  # a row alone: the same bits
+
+
 # -------------------------------------------------------------------------------------- logprobs
 
 
