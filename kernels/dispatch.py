@@ -125,12 +125,16 @@ def linear_unreduced(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def finish_unreduced(d: Union[torch.Tensor, Unreduced]) -> torch.Tensor:
-    """The finished output of :func:`linear_unreduced` (its reduce kernel, where it was left undone)."""
+    """The finished output of :func:`linear_unreduced`: on CUDA the GEMM's own reduce kernel; for
+    partials of the reference backend (none are made in production; tests build them from
+    ``row_partials``) the reference ``linear``'s sum, ``finish_linear(sum_partials(parts), bias)``."""
     if not isinstance(d, Unreduced):
         return d
-    from .triton.gemm import reduce_partials
+    if use_triton(d.parts):
+        from .triton.gemm import reduce_partials
 
-    return reduce_partials(d.parts, d.bias, out_dtype=d.dtype)
+        return reduce_partials(d.parts, d.bias, out_dtype=d.dtype)
+    return _gemm.finish_linear(_gemm.sum_partials(list(d.parts.unbind(0))), d.bias, d.dtype)
 
 
 def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

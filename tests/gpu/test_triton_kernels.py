@@ -306,6 +306,59 @@ def test_split_gemm_partials_into_add_rms_norm_are_bitwise_the_reduce_and_add_rm
         assert torch.equal(h1, hw[:1]) and torch.equal(y1, yw[:1]), M  # a row alone: the same bits
 
 
+def test_fast_layer_loop_is_bitwise_the_layer_chain_at_qwen2_shapes():
+    """The engine's fast layer loop (``layer_forward_fast``: residual add carried into the next
+    layer's norm, o_proj / down_proj partials summed in the add + norm launches) == a chain of the
+    learner's ``layer_forward`` calls, bitwise in bf16: two Qwen2-1.5B-wide layers, decode and mid
+    M, the final norm and the plain residual (a pipeline stage's output) both checked."""
+    _need_cuda()
+    import kernels
+    from kernels.models import qwen3_dsv3 as ref
+
+    H, Hq, Hkv, D, inter = 1536, 12, 2, 128, 8960
+    c = ref.arch_config({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": H,
+                         "num_hidden_layers": 2, "num_attention_heads": Hq, "num_key_value_heads": Hkv,
+                         "vocab_size": 64, "intermediate_size": inter})
+    layers, seed = [], 50
+    for _ in range(c.num_layers):
+        d = {}
+        for name, shape in (("self_attn.q_proj", (Hq * D, H)), ("self_attn.k_proj", (Hkv * D, H)),
+                            ("self_attn.v_proj", (Hkv * D, H)), ("self_attn.o_proj", (H, Hq * D)),
+                            ("mlp.gate_proj", (inter, H)), ("mlp.up_proj", (inter, H)), ("mlp.down_proj", (H, inter))):
+            d[name + ".weight"] = _randn(*shape, seed=seed, scale=shape[1] ** -0.5)
+            seed += 1
+            if name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                d[name + ".bias"] = _randn(shape[0], seed=seed, scale=0.5)
+                seed += 1
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            d[name] = (_randn(H, seed=seed, dtype=torch.float32).abs() + 0.5).to(torch.bfloat16)
+            seed += 1
+        d["rz_gate_up"] = torch.cat([d["mlp.gate_proj.weight"], d["mlp.up_proj.weight"]])
+        layers.append(d)
+    norm_w = (_randn(H, seed=seed, dtype=torch.float32).abs() + 0.5).to(torch.bfloat16)
+
+    def fast_mlp(d, x):  # the model class's _fast_dense_unreduced
+        gu = kernels.linear(x, d["rz_gate_up"])
+        return kernels.linear_unreduced(kernels.swiglu(gu[..., :inter], gu[..., inter:]), d["mlp.down_proj.weight"],
+                                        k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+    for M in (1, 7, 32, 200):
+        positions = torch.arange(M, device="cuda") + 3
+        cos, sin = kernels.rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+        attend = lambda q, k, v: q * 0.5 + v.repeat_interleave(Hq // Hkv, 1)  # noqa: E731  any fixed function
+        h0 = _randn(M, H, seed=100 + M, scale=2.0)
+        h = h0
+        for i, d in enumerate(layers):
+            h = ref.layer_forward(c, d.__getitem__, i, h, cos, sin, attend)
+        hf, y = h0, None
+        for i, d in enumerate(layers):
+            hf, y = ref.layer_forward_fast(c, d.__getitem__, i, hf, y, cos, sin, attend,
+                                           mlp=lambda x, d=d: fast_mlp(d, x))
+        assert isinstance(y, kernels.Unreduced), M  # down_proj ran split mode (the current tile tables)
+        assert torch.equal(ref.carried_residual(hf, y), h), M
+        assert torch.equal(ref.final_norm_carried(c, norm_w, hf, y), ref.final_norm(c, norm_w, h)), M
+
+
 # -------------------------------------------------------------------------------------- logprobs
 
 
