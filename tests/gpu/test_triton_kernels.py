@@ -359,6 +359,25 @@ def test_fast_layer_loop_is_bitwise_the_layer_chain_at_qwen2_shapes():
         assert torch.equal(ref.final_norm_carried(c, norm_w, hf, y), ref.final_norm(c, norm_w, h)), M
 
 
+def test_rope_of_q_and_k_in_one_launch_is_bitwise_two_launches():
+    """The fast path's Qwen2 RoPE: q and k, adjacent column blocks of the packed q/k/v GEMM output,
+    rotated as one strided [T, Hq + Hkv, D] view == the two calls on their own views, bf16, at
+    Qwen2-1.5B head shapes (12 / 2 heads of 128) and a GQA 4 one, decode and mid T."""
+    _need_cuda()
+    import kernels
+
+    for Hq, Hkv, D in ((12, 2, 128), (16, 4, 64)):
+        for T in (1, 7, 32, 200):
+            y = _randn(T, (Hq + 2 * Hkv) * D, seed=60 + T + Hq, scale=3.0)
+            cos, sin = kernels.rope_cos_sin(torch.arange(T, device="cuda") * 37 + 5, D, 10000.0)
+            one = kernels.apply_rope(y[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin, "neox")
+            q = kernels.apply_rope(y[:, :Hq * D].view(T, Hq, D), cos, sin, "neox")
+            k = kernels.apply_rope(y[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), cos, sin, "neox")
+            assert torch.equal(one[:, :Hq], q) and torch.equal(one[:, Hq:], k), (Hq, Hkv, D, T)
+            qc = kernels.apply_rope(y[:, :Hq * D].reshape(T, Hq, D).contiguous(), cos, sin, "neox")
+            assert torch.equal(qc, q), (Hq, Hkv, D, T)  # strided read == a contiguous copy's
+
+
 # -------------------------------------------------------------------------------------- logprobs
 
 

@@ -11,7 +11,7 @@ the same code, so a wrong index shows here without a GPU.
   in any batch, frequencies of softmax(l / T) (chi-square);
 * the log-softmax of rows with all -inf vocabulary pieces (top-k masked logits) is finite.
 * a split-mode GEMM's partials summed inside the residual add + RMSNorm == the reduce kernel then
-  add_rms_norm.
+  add_rms_norm; RoPE of q and k in one launch over their strided block == two launches.
 """
 
 import os
@@ -337,8 +337,10 @@ def test_fused_residual_add_and_norm_equals_the_two_ops_in_the_interpreter():
 
 CHILD_FUSED = r'''
 import torch
+from kernels import rope as RO
 from kernels.triton.gemm import CONFIGS, matmul, matmul_partials, reduce_partials
 from kernels.triton.rmsnorm import add_partials_rms_norm, add_rms_norm
+from kernels.triton.rope import apply_rope
 
 torch.manual_seed(0)
 # a row-parallel GEMM's fp32 partials summed inside the residual add + norm == the reduce kernel,
@@ -384,12 +386,27 @@ for name in ("d16_n64_split", "m64_n128_split_mt", "d64_n64", "d16_n32"):
             assert got.shape == (segs, 5, 24) and got.dtype == torch.float32 and got.is_contiguous()
             got = reduce_partials(got, b, out_dtype=torch.float32)
         assert torch.equal(got, want), (name, segs)
+# RoPE of q and k in one launch: the adjacent q / k column blocks of a packed q/k/v output, read as
+# one strided [T, Hq + Hkv, D] view == the two calls (and, fp32, the CPU reference)
+for dtype in (torch.float32, torch.bfloat16):
+    for T, Hq, Hkv, D in ((5, 12, 2, 128), (1, 4, 1, 32), (3, 6, 3, 64)):
+        y = torch.randn(T, (Hq + 2 * Hkv) * D).to(dtype)
+        ang = torch.arange(T, dtype=torch.float64)[:, None] * torch.linspace(0.01, 1.0, D // 2, dtype=torch.float64)
+        cos, sin = ang.cos().float(), ang.sin().float()
+        qk = y[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D)
+        assert not qk.is_contiguous() or T == 1
+        one = apply_rope(qk, cos, sin, "neox")
+        q = apply_rope(y[:, :Hq * D].view(T, Hq, D), cos, sin, "neox")
+        k = apply_rope(y[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), cos, sin, "neox")
+        assert torch.equal(one[:, :Hq], q) and torch.equal(one[:, Hq:], k), (dtype, T, Hq, Hkv, D)
+        if dtype == torch.float32:
+            assert torch.equal(one, RO.apply_rope(qk.contiguous(), cos, sin, "neox"))
 print("interpreted fused launches OK")
 '''
 
 
 def test_fused_launches_equal_the_unfused_ones_in_the_interpreter():
     """The engine's launch cuts: a split-mode GEMM's partials reduced inside the residual add + norm
-    (== the reduce kernel then add_rms_norm, with and without bias, N not a power of two, -0 rows)
-    and matmul_partials' hand-back."""
+    (== the reduce kernel then add_rms_norm, with and without bias, N not a power of two, -0 rows),
+    matmul_partials' hand-back, and RoPE of q and k in one launch over their strided block."""
     _interpret(CHILD_FUSED, "interpreted fused launches OK")

@@ -71,7 +71,8 @@ launches and no host synchronisation, so vLLM can replay decode steps as CUDA gr
   output element with the same K chain whatever N is, so the fused GEMM has the separate GEMMs' bits.
 * Routed experts through the grouped Triton MoE (``kernels.moe_experts``: device-side work list,
   bitwise the per-expert reference) instead of a Python loop over ``torch.unique`` ids.
-* RoPE frequencies cached on the device (``rz_inv_freq``; the same float64 values).
+* RoPE frequencies cached on the device (``rz_inv_freq``; the same float64 values). Without q/k
+  norm (Qwen2) q and k, adjacent blocks of the packed q/k/v output, are rotated in one launch.
 * The residual carried across layers (``ref.layer_forward_fast``): each layer's last add ``h + y``
   is done by the next layer's input norm launch (``kernels.add_rms_norm``), o_proj's and a dense
   down_proj's row-parallel segment partials (split-mode GEMM at decode sizes,
@@ -527,7 +528,9 @@ class RZAlignedForCausalLM(nn.Module):
         """q/k/v from one GEMM over the packed ``[N_q + 2 N_kv, H]`` weight (same bits as three: one K
         segment, each output column its own K chain); Qwen2's biases are one packed ``[N_q + 2 N_kv]``
         vector, added per column in fp32 before the one rounding as in the three biased GEMMs. Then
-        Qwen3's q/k RMSNorm (families with ``qk_norm``) and RoPE."""
+        Qwen3's q/k RMSNorm (families with ``qk_norm``) and RoPE; without q/k norm (Qwen2) one RoPE
+        launch rotates q and k together. q, k and v come back as views of the GEMM output / the
+        RoPE output (the CUDA backend reads them through their strides: ``_attend`` copies nothing)."""
         c = self.c
         T, D = x.shape[0], c.head_dim
         a = layer.self_attn
@@ -535,12 +538,14 @@ class RZAlignedForCausalLM(nn.Module):
         bias = a.rz_packs["qkv_bias"][0] if "qkv_bias" in a.rz_packs else None
         y = kernels.linear(x, pack, bias)
         nq, nk = c.num_heads * D, c.num_kv_heads * D
-        q = y[:, :nq].reshape(T, c.num_heads, D)
-        k = y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D)
         v = y[:, nq + nk:].reshape(T, c.num_kv_heads, D)
-        if c.family.qk_norm:
-            q = kernels.rms_norm(q, a.q_norm.weight, c.rms_norm_eps)
-            k = kernels.rms_norm(k, a.k_norm.weight, c.rms_norm_eps)
+        if not c.family.qk_norm:
+            # Qwen2: q and k are adjacent column blocks of y, rotated as one strided
+            # [T, Hq + Hkv, D] view in one launch (RoPE is elementwise: the two calls' bits)
+            qk = kernels.apply_rope(y[:, :nq + nk].view(T, c.num_heads + c.num_kv_heads, D), cos, sin, "neox")
+            return qk[:, :c.num_heads], qk[:, c.num_heads:], v
+        q = kernels.rms_norm(y[:, :nq].reshape(T, c.num_heads, D), a.q_norm.weight, c.rms_norm_eps)
+        k = kernels.rms_norm(y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D), a.k_norm.weight, c.rms_norm_eps)
         return kernels.apply_rope(q, cos, sin, "neox"), kernels.apply_rope(k, cos, sin, "neox"), v
 
     @staticmethod
