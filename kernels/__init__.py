@@ -18,6 +18,9 @@ _EXPORTS = {
     # device dispatch (kernels/dispatch.py): Triton for CUDA tensors, the exact reference otherwise
     "linear": "dispatch",
     "linear_partial": "dispatch",
+    "linear_unreduced": "dispatch",
+    "finish_unreduced": "dispatch",
+    "Unreduced": "dispatch",
     "row_partials": "dispatch",
     "rms_norm": "dispatch",
     "add_rms_norm": "dispatch",

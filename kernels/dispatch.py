@@ -25,7 +25,7 @@ functions. Differences to keep in mind on CUDA:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,8 @@ from .settings import backend, set_backend
 
 __all__ = [
     "set_backend", "backend", "use_triton",
-    "linear", "linear_partial", "row_partials", "rms_norm", "add_rms_norm", "apply_rope", "attention", "causal_attention",
+    "linear", "linear_partial", "linear_unreduced", "finish_unreduced", "Unreduced", "row_partials", "rms_norm",
+    "add_rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "moe_expert_rows", "lm_head_logits", "logprobs_from_logits", "log_softmax",
     "token_logprobs",
@@ -95,6 +96,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return tlinear(x, weight, bias, out_dtype=out_dtype, k_segments=int(k_segments))
 
 
+class Unreduced(NamedTuple):
+    """A linear layer's output whose K-segment sum is not done yet (:func:`linear_unreduced`):
+    ``parts`` the fp32 partials ``[S, M, N]`` of its S segments (contiguous), ``bias`` ([N] or None,
+    not yet added), ``dtype`` the output dtype. :func:`add_rms_norm` finishes it inside its own
+    launch, :func:`finish_unreduced` on its own; either way bitwise the :func:`linear` output."""
+
+    parts: torch.Tensor
+    bias: Optional[torch.Tensor]
+    dtype: torch.dtype
+
+
+def linear_unreduced(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                     k_segments: int = 1) -> Union[torch.Tensor, Unreduced]:
+    """``linear(x[M, K], weight, bias, k_segments=k_segments)``, or the same not yet reduced: on
+    CUDA, when the GEMM's config for this M is split mode (one program per tile and K segment, then
+    a reduce kernel), the partials come back as an :class:`Unreduced` and the reduce launch is left
+    to the consumer (``add_rms_norm``: a row-parallel projection feeding a residual add and a norm).
+    Otherwise the finished tensor. No autograd (the GPU engine's fast path)."""
+    if x.dim() != 2 or not (use_triton(x) and _same_float(x, weight)) or _needs_grad(x, weight, bias):
+        return linear(x, weight, bias, k_segments=k_segments)
+    from .triton.gemm import matmul_partials
+
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    with torch.no_grad():
+        y, is_parts = matmul_partials(x2, weight, bias, k_segments=int(k_segments))
+    return Unreduced(y, bias, x.dtype) if is_parts else y
+
+
+def finish_unreduced(d: Union[torch.Tensor, Unreduced]) -> torch.Tensor:
+    """The finished output of :func:`linear_unreduced`: on CUDA the GEMM's own reduce kernel; for
+    partials of the reference backend (none are made in production; tests build them from
+    ``row_partials``) the reference ``linear``'s sum, ``finish_linear(sum_partials(parts), bias)``."""
+    if not isinstance(d, Unreduced):
+        return d
+    if use_triton(d.parts):
+        from .triton.gemm import reduce_partials
+
+        return reduce_partials(d.parts, d.bias, out_dtype=d.dtype)
+    return _gemm.finish_linear(_gemm.sum_partials(list(d.parts.unbind(0))), d.bias, d.dtype)
+
+
 def linear_partial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not (use_triton(x) and _same_float(x, weight)):
         return _gemm.linear_partial(x, weight)
@@ -134,10 +176,20 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
     return _grads.rms_norm(lambda x_, w_: trms(x_, w_, eps), x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: Optional[torch.Tensor],
+def add_rms_norm(x: torch.Tensor, delta: Union[torch.Tensor, Unreduced], weight: Optional[torch.Tensor],
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, rms_norm(h, weight, eps))`` with ``h = x + delta``: a residual add and the norm after it.
-    Bitwise the two ops; on CUDA without gradients one fused launch (``kernels.triton.rmsnorm``)."""
+    Bitwise the two ops; on CUDA without gradients one fused launch (``kernels.triton.rmsnorm``).
+    ``delta`` may be an :class:`Unreduced` (:func:`linear_unreduced` on CUDA): its segment sum and
+    bias are then done in the same launch, bitwise ``x + finish_unreduced(delta)``."""
+    if isinstance(delta, Unreduced):
+        if (use_triton(x) and x.dtype in _GPU_DTYPES and delta.dtype == x.dtype
+                and not _needs_grad(x, weight)):
+            from .triton.rmsnorm import add_partials_rms_norm
+
+            with torch.no_grad():
+                return add_partials_rms_norm(x, delta.parts, delta.bias, weight, eps)
+        delta = finish_unreduced(delta).reshape(x.shape)
     if (use_triton(x) and x.dtype in _GPU_DTYPES and delta.dtype == x.dtype and delta.shape == x.shape
             and not _needs_grad(x, delta, weight)):
         from .triton.rmsnorm import add_rms_norm as tadd

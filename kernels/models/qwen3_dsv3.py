@@ -12,6 +12,9 @@ where the attention keys/values come from (vLLM's paged KV cache, one sequence a
 ``kernels.attention``) -- ``kernels.attention`` is bitwise independent of whether the keys are the
 prefix only (decode), a chunk's prefix (chunked prefill) or the whole padded sequence (here). So the
 logprob vLLM reports for a sampled token is ``torch.equal`` to ``out[:, t]`` of this function.
+The CUDA engine's fast path runs :func:`layer_forward_fast` instead of :func:`layer_forward`: the
+same values, each residual add merged into the launch of the norm after it (the end-of-layer add
+carried into the next layer), so it too is ``torch.equal`` to this reference's.
 
 Numerics (fp32 or bf16 weights, see kernels/README.md): embeddings are a gather; every projection
 is ``kernels.linear`` rounded to the activation dtype; norms ``kernels.rms_norm``; RoPE tables in
@@ -51,7 +54,7 @@ import torch
 import kernels
 from kernels.families import FAMILIES, Family, family, hf_family
 
-from .trace import tap
+from .trace import tap, tracing
 
 __all__ = [
     "ArchConfig",
@@ -67,6 +70,9 @@ __all__ = [
     "dense_mlp",
     "final_logits",
     "layer_forward",
+    "layer_forward_fast",
+    "carried_residual",
+    "final_norm_carried",
     "ExpertShard",
     "FP8_CONFIG_KEY",
     "FP8_SUFFIX",
@@ -516,6 +522,87 @@ def layer_forward(
     x = tap(f"layer{layer}.mlp_norm", x)
     y = mlp_forward(c, w, layer, x) if mlp is None else mlp(x)
     return tap(f"layer{layer}.output", h + tap(f"layer{layer}.mlp", y))
+
+
+Delta = Union[torch.Tensor, "kernels.Unreduced"]
+
+
+def _tap_delta(name: str, d: Delta) -> None:
+    if tracing():  # an unreduced delta is finished for the trace only (the same bits: finish_unreduced)
+        tap(name, kernels.finish_unreduced(d))
+
+
+def layer_forward_fast(
+    c: ArchConfig,
+    w: Getter,
+    layer: int,
+    h: torch.Tensor,
+    pending: Optional[Delta],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    o_proj: Optional[Callable[[torch.Tensor], Delta]] = None,
+    mlp: Optional[Callable[[torch.Tensor], Delta]] = None,
+    qkv: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]] = None,
+) -> tuple[torch.Tensor, Delta]:
+    """:func:`layer_forward` with the residual add at its end carried into the next layer (the
+    CUDA engine's fast path; the learner and the reference run :func:`layer_forward`).
+
+    The layer's input residual is ``h + pending``: ``pending`` is the previous layer's MLP output,
+    not yet added (a tensor, or a ``kernels.Unreduced``: a split-mode row-parallel GEMM's partials),
+    or None when ``h`` is the residual itself (a stage's first layer). Returns ``(h, y)``: the
+    layer's output residual is ``h + y``, left undone. So each residual add is one launch with the
+    norm after it (``kernels.add_rms_norm``): the previous layer's ``h + y`` with this layer's input
+    norm, and o_proj's output (``kernels.linear_unreduced``, row-parallel segments) with the
+    post-attention norm; an unreduced delta's segment sum and bias go into that launch too.
+    :func:`carried_residual` and :func:`final_norm_carried` finish the last pending add.
+
+    Bitwise a chain of :func:`layer_forward` calls: every value is the same ops on the same inputs
+    (the add: fp32 sum rounded once, as torch's ``h + y``; the norm of the rounded sum; a delta
+    summed in segment order as its GEMM's reduce kernel sums it), only the launches merge. ``o_proj``
+    / ``mlp`` / ``qkv`` replace the defaults as in :func:`layer_forward` (``o_proj`` and ``mlp``
+    may return an Unreduced). The taps record the same names and values (unreduced deltas are
+    finished for the trace, only while tracing)."""
+    eps = c.rms_norm_eps
+    if pending is None:
+        x = kernels.rms_norm(h, w("input_layernorm.weight"), eps)
+    else:  # the previous layer's last add and this layer's input norm: one launch
+        h, x = kernels.add_rms_norm(h, pending, w("input_layernorm.weight"), eps)
+    x = tap(f"layer{layer}.attn_norm", x)
+    q, k, v = qkv_forward(c, w, x, cos, sin) if qkv is None else qkv(x, cos, sin)
+    o = tap(f"layer{layer}.attention", attend(q, k, v))
+    if o_proj is not None:
+        delta = o_proj(o)
+    elif c.fp8 == "none":  # attn_output's linear, its segment sum left to the norm below
+        delta = kernels.linear_unreduced(o.reshape(o.shape[0], -1), w("self_attn.o_proj.weight"),
+                                         k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+    else:
+        delta = attn_output(c, w, o)
+    _tap_delta(f"layer{layer}.attn_out", delta)
+    h, x = kernels.add_rms_norm(h, delta, w("post_attention_layernorm.weight"), eps)
+    x = tap(f"layer{layer}.mlp_norm", x)
+    y = mlp_forward(c, w, layer, x) if mlp is None else mlp(x)
+    if tracing():
+        yf = kernels.finish_unreduced(y)
+        tap(f"layer{layer}.mlp", yf)
+        tap(f"layer{layer}.output", h + yf)
+    return h, y
+
+
+def carried_residual(h: torch.Tensor, pending: Optional[Delta]) -> torch.Tensor:
+    """The plain residual ``h + pending`` (:func:`layer_forward_fast`'s undone add), e.g. what a
+    pipeline stage sends to the next: torch's add of the finished delta, as in :func:`layer_forward`."""
+    return h if pending is None else h + kernels.finish_unreduced(pending)
+
+
+def final_norm_carried(c: ArchConfig, norm_weight: torch.Tensor, h: torch.Tensor,
+                       pending: Optional[Delta]) -> torch.Tensor:
+    """``final_norm(c, norm_weight, carried_residual(h, pending))`` with the add and the norm in one
+    launch (``kernels.add_rms_norm``: bitwise the two ops)."""
+    if pending is None:
+        return final_norm(c, norm_weight, h)
+    return tap("final_norm", kernels.add_rms_norm(h, pending, norm_weight, c.rms_norm_eps)[1])
 
 
 def final_norm(c: ArchConfig, norm_weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,14 @@ not change them. So:
   at large M one program loops over the segments with two accumulators.
 
 No atomics, no cuBLAS, no split-K chosen by M.
+
+Split mode's partials handed on (:func:`matmul_partials`): when the picked config is split mode,
+the caller may take the fp32 partials ``ws[nseg, M, N]`` instead of the output and finish the sum in
+its own next kernel: ``kernels.triton.rmsnorm.add_partials_rms_norm`` adds them in segment order
+from ``0.0``, adds the bias in fp32 and rounds once (the same operations, in the same order, as
+``_reduce_segments_kernel``) and goes on with the residual add and the next RMSNorm, one launch
+where there were two. :func:`reduce_partials` is the reduce kernel alone (a result that is needed
+as a plain tensor after all). Which configs are split mode does not change the bits either way.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except Exception:  # pragma: no cover
     TensorDescriptor = None
 
-__all__ = ["linear", "LinearGrad", "default_k_segments", "pick_config", "GemmConfig", "CONFIGS", "matmul"]
+__all__ = ["linear", "LinearGrad", "default_k_segments", "pick_config", "GemmConfig", "CONFIGS", "matmul",
+           "matmul_partials", "reduce_partials"]
 
 # fixed segment length used by the default segmentation of long-K / narrow-N shapes
 SEGMENT_LEN = 1024
@@ -303,6 +312,47 @@ def matmul(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """2-D invariant GEMM: ``x2[M, K] @ w[N, K].T (+ bias)`` -> ``[M, N]`` (no autograd)."""
+    y, _ = _matmul(x2, w, bias, out_dtype, k_segments, config, out, keep_partials=False)
+    return y
+
+
+def matmul_partials(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    k_segments: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+) -> tuple[torch.Tensor, bool]:
+    """:func:`matmul`, except when the picked config is split mode: then ``(ws, True)``, the fp32
+    segment partials ``ws[nseg, M, N]`` (contiguous, bias NOT added), which
+    ``reduce_partials(ws, bias, out_dtype=...)`` turns into :func:`matmul`'s output bit for bit (a
+    fused consumer adds them the same way). Otherwise ``(out, False)``, the finished ``[M, N]``."""
+    return _matmul(x2, w, bias, out_dtype, k_segments, config, None, keep_partials=True)
+
+
+def reduce_partials(ws: torch.Tensor, bias: Optional[torch.Tensor] = None, *, out_dtype: torch.dtype,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Split mode's second kernel: ``((0 + ws[0]) + ws[1]) + ...`` in fp32, ``+ bias`` in fp32, one
+    rounding to ``out_dtype`` -> ``[M, N]``. ``ws``: contiguous fp32 ``[nseg, M, N]``."""
+    if ws.dtype != torch.float32 or ws.dim() != 3 or not ws.is_contiguous():
+        raise ValueError(f"reduce_partials: ws must be contiguous fp32 [nseg, M, N], got {tuple(ws.shape)} {ws.dtype}")
+    nseg, M, N = ws.shape
+    if out is None:
+        out = torch.empty(M, N, device=ws.device, dtype=out_dtype)
+    elif not out.is_contiguous() or tuple(out.shape) != (M, N):
+        raise ValueError("reduce_partials: out must be a contiguous [M, N]")
+    if M * N == 0:
+        return out
+    BLOCK = 1024
+    _reduce_segments_kernel[(triton.cdiv(M * N, BLOCK),)](
+        ws, out, bias if bias is not None else ws, M * N, N, ws.stride(0),
+        NUM_SEGS=nseg, HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def _matmul(x2, w, bias, out_dtype, k_segments, config, out, *, keep_partials: bool) -> tuple[torch.Tensor, bool]:
     M, K = x2.shape
     N, Kw = w.shape
     if Kw != K:
@@ -315,15 +365,16 @@ def matmul(
         raise ValueError(f"matmul: K={K} is not divisible into k_segments={nseg}")
     seg_len = K // nseg
     cfg = config or pick_config(M, K, N, nseg)
-    if out is None:
+    split = cfg.split and nseg > 1
+    if out is None and not (keep_partials and split and M and N and K):  # handed-on partials need none
         out = torch.empty(M, N, device=x2.device, dtype=odt)
     if M == 0 or N == 0:
-        return out
+        return out, False
     if K == 0:
         out.zero_()
         if bias is not None:
             out += bias.to(odt)
-        return out
+        return out, False
     block_k = cfg.block_k
     num_stages = cfg.num_stages
     if x2.element_size() == 4:  # fp32 operands: half the K tile, fewer stages (shared memory)
@@ -346,7 +397,6 @@ def matmul(
         x_desc = w_desc = None
     has_bias = bias is not None
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    split = cfg.split and nseg > 1
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
                   TMA=tma, EVEN_K=even_k, NUM_STAGES=num_stages, num_warps=cfg.num_warps,
                   IEEE=x2.dtype == torch.float32)
@@ -356,18 +406,17 @@ def matmul(
             x2, w, x_desc, w_desc, ws, ws, M, N, K, x2.stride(0), x2.stride(1), w.stride(0),
             w.stride(1), ws.stride(1), ws.stride(2), ws.stride(0), seg_len,
             NUM_SEGS=nseg, SPLIT=True, HAS_BIAS=False, **common)
+        if keep_partials:  # the caller finishes the sum (and adds the bias) in its own kernel
+            return ws, True
         if not out.is_contiguous():
             raise ValueError("matmul: out must be contiguous")
-        BLOCK = 1024
-        _reduce_segments_kernel[(triton.cdiv(M * N, BLOCK),)](
-            ws, out, bias if has_bias else ws, M * N, N, ws.stride(0),
-            NUM_SEGS=nseg, HAS_BIAS=has_bias, BLOCK=BLOCK, num_warps=4)
+        reduce_partials(ws, bias, out_dtype=odt, out=out)
     else:
         _gemm_kernel[(tiles, 1)](
             x2, w, x_desc, w_desc, out, bias if has_bias else out, M, N, K, x2.stride(0),
             x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), 0, seg_len,
             NUM_SEGS=nseg, SPLIT=False, HAS_BIAS=has_bias, **common)
-    return out
+    return out, False
 
 
 class LinearGrad(torch.autograd.Function):

@@ -10,6 +10,21 @@ zeros; BLOCK_D and num_warps are functions of D only, so a row's bits never depe
 rows or on its position. (Not bitwise equal to the CPU tree_sum: the trees differ.) A ``[T, H, D]``
 input is read through its strides (e.g. the q / k heads sliced from a fused q/k/v GEMM output), so
 no copy is made first; the output is contiguous.
+
+Fused forms (one launch each, no autograd), bitwise the ops they replace:
+
+* :func:`add_rms_norm`: ``h = x + delta`` (fp32 add, one rounding: torch's add), stored, and the
+  norm of the rounded ``h``;
+* :func:`add_partials_rms_norm`: the same with ``delta`` still the fp32 K-segment partials of a
+  row-parallel GEMM in split mode (``kernels.triton.gemm.matmul_partials``): the row's delta is first
+  made exactly as the GEMM's reduce kernel makes it (``((0 + p0) + p1) + ...``, ``+ bias`` in fp32,
+  one rounding to the dtype), then the add and the norm as :func:`add_rms_norm`.
+
+Every value is the same sequence of IEEE operations as in the unfused kernels: the adds are plain
+fp32 adds (nothing to contract into an FMA: no product feeds them), the roundings happen at the same
+points, and the norm is one shared row function (:func:`_norm_row`) compiled with the same options,
+block and warp count. All three kernels keep Triton's default FMA contraction, so a contraction
+inside the norm (the squares feeding the sum) is the same in each.
 """
 
 from __future__ import annotations
@@ -20,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "add_rms_norm"]
+__all__ = ["rms_norm", "add_rms_norm", "add_partials_rms_norm"]
 
 
 @triton.jit
@@ -58,6 +73,28 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, D, stride_x, stride
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * D + offs, h, mask=mask)
+    y = _norm_row(h.to(tl.float32), w_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, HAS_W)
+    tl.store(out_ptr + row * D + offs, y, mask=mask)
+
+
+@triton.jit
+def _partials_add_rmsnorm_kernel(x_ptr, p_ptr, b_ptr, w_ptr, h_ptr, out_ptr, D, stride_x, stride_ps, stride_pr, eps,
+                                 NUM_SEGS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
+    """delta = ((0 + p0) + p1) + ... (+ bias), rounded once to the dtype: what the GEMM's
+    _reduce_segments_kernel stores; then _add_rmsnorm_kernel's h = x + delta and its norm."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in range(0, NUM_SEGS):
+        total = total + tl.load(p_ptr + s * stride_ps + row * stride_pr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    d = total.to(h_ptr.dtype.element_ty)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     h = (x.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * D + offs, h, mask=mask)
     y = _norm_row(h.to(tl.float32), w_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, HAS_W)
@@ -109,4 +146,31 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: Optional[torch.Te
         block_d = triton.next_power_of_2(D)
         _add_rmsnorm_kernel[(R,)](x2, d2, weight if weight is not None else x2, h, out, D, x2.stride(0), d2.stride(0),
                                   float(eps), HAS_W=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+    return h, out
+
+
+def add_partials_rms_norm(x: torch.Tensor, parts: torch.Tensor, bias: Optional[torch.Tensor],
+                          weight: Optional[torch.Tensor], eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` with ``delta`` given as a split-mode GEMM's fp32 partials
+    ``parts[nseg, R, D]`` (``kernels.triton.gemm.matmul_partials``; bias not yet added) and its
+    ``bias`` ([D] or None): bitwise ``add_rms_norm(x, reduce_partials(parts, bias,
+    out_dtype=x.dtype), weight, eps)``, in one launch. ``x``: ``[..., D]`` with ``R`` rows. No autograd."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    R = x2.shape[0]
+    if parts.dim() != 3 or tuple(parts.shape[1:]) != (R, D) or parts.dtype != torch.float32 or parts.stride(-1) != 1:
+        raise ValueError(f"add_partials_rms_norm: x {tuple(x.shape)} and partials {tuple(parts.shape)} {parts.dtype} "
+                         f"(expected fp32 [nseg, {R}, {D}])")
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"add_partials_rms_norm: bias {tuple(bias.shape)}, expected ({D},)")
+    h = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if R and D:
+        block_d = triton.next_power_of_2(D)
+        _partials_add_rmsnorm_kernel[(R,)](
+            x2, parts, bias if bias is not None else parts, weight if weight is not None else x2, h, out, D,
+            x2.stride(0), parts.stride(0), parts.stride(1), float(eps), NUM_SEGS=parts.shape[0],
+            HAS_BIAS=bias is not None, HAS_W=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d))
     return h, out

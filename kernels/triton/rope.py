@@ -14,6 +14,11 @@ The kernel is compiled with ``enable_fp_fusion=False`` (no FMA contraction), so 
 is the same sequence of correctly rounded fp32 operations as on the CPU: **bitwise equal to the CPU
 reference** for the same cos/sin tables (tested), and trivially batch invariant (no reduction).
 ``rope_cos_sin`` itself is plain float64 torch (per element) and runs on either device.
+
+Any head-strided input is read in place (only the last dim must be contiguous), e.g. the q and k
+column blocks of a packed q/k/v GEMM output viewed together as one ``[T, Hq + Hkv, D]`` tensor:
+rotating them in one launch is bitwise the two separate calls (each element is its own formula
+whatever the grid), which the GPU engine's fast path uses for Qwen2.
 """
 
 from __future__ import annotations

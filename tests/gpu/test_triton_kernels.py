@@ -267,6 +267,117 @@ def test_fused_residual_add_and_norm_is_bitwise_the_two_ops(dtype):
         assert torch.equal(h1, h[:1]) and torch.equal(y1, y[:1]), (R, D)
 
 
+@pytest.mark.parametrize("K", [1536, 8960])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_gemm_partials_into_add_rms_norm_are_bitwise_the_reduce_and_add_rms_norm(K, with_bias):
+    """A row-parallel GEMM's split-mode partials summed inside the residual add + RMSNorm (one
+    launch; the engine's o_proj / down_proj into the next norm) == ``matmul`` (its own reduce
+    kernel) then ``add_rms_norm``, bit for bit in bf16: Qwen2-1.5B shapes (K = 1536 / 8960 -> N =
+    1536, 8 segments), decode and mid M, every split config, with and without a bias; and the same
+    through ``kernels.linear_unreduced`` / ``finish_unreduced`` / ``add_rms_norm``."""
+    _need_cuda()
+    import kernels
+    from kernels.triton.gemm import CONFIGS, matmul, matmul_partials, reduce_partials
+    from kernels.triton.rmsnorm import add_partials_rms_norm
+
+    N, segs = 1536, 8
+    w = _randn(N, K, seed=40, scale=K ** -0.5)
+    b = _randn(N, seed=41) if with_bias else None
+    nw = (_randn(N, seed=42, dtype=torch.float32).abs() + 0.5).to(torch.bfloat16)
+    split = {name: cfg for name, cfg in CONFIGS.items() if cfg.split}
+    for M in (1, 7, 32, 64, 200):
+        x = _randn(M, K, seed=43 + M)
+        h0 = _randn(M, N, seed=44 + M, scale=4.0)
+        want = matmul(x, w, b, k_segments=segs)  # the config the dispatcher picks, reduce kernel included
+        hw, yw = kernels.add_rms_norm(h0, want, nw, 1e-6)
+        assert torch.equal(hw, h0 + want), M
+        for name, cfg in split.items():
+            ws, is_parts = matmul_partials(x, w, b, k_segments=segs, config=cfg)
+            assert is_parts and ws.shape == (segs, M, N), name
+            assert torch.equal(reduce_partials(ws, b, out_dtype=torch.bfloat16), want), (M, name)
+            h, y = add_partials_rms_norm(h0, ws, b, nw, 1e-6)
+            assert torch.equal(h, hw) and torch.equal(y, yw), f"M={M} {name}"
+        d = kernels.linear_unreduced(x, w, b, k_segments=segs)  # what the engine's fast path calls
+        assert torch.equal(kernels.finish_unreduced(d), want), M
+        h, y = kernels.add_rms_norm(h0, d, nw, 1e-6)
+        assert torch.equal(h, hw) and torch.equal(y, yw), M
+        h1, y1 = add_partials_rms_norm(h0[:1], matmul_partials(x[:1], w, b, k_segments=segs,
+                                                               config=split["d16_n64_split"])[0], b, nw, 1e-6)
+        assert torch.equal(h1, hw[:1]) and torch.equal(y1, yw[:1]), M  # a row alone: the same bits
+
+
+def test_fast_layer_loop_is_bitwise_the_layer_chain_at_qwen2_shapes():
+    """The engine's fast layer loop (``layer_forward_fast``: residual add carried into the next
+    layer's norm, o_proj / down_proj partials summed in the add + norm launches) == a chain of the
+    learner's ``layer_forward`` calls, bitwise in bf16: two Qwen2-1.5B-wide layers, decode and mid
+    M, the final norm and the plain residual (a pipeline stage's output) both checked."""
+    _need_cuda()
+    import kernels
+    from kernels.models import qwen3_dsv3 as ref
+
+    H, Hq, Hkv, D, inter = 1536, 12, 2, 128, 8960
+    c = ref.arch_config({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": H,
+                         "num_hidden_layers": 2, "num_attention_heads": Hq, "num_key_value_heads": Hkv,
+                         "vocab_size": 64, "intermediate_size": inter})
+    layers, seed = [], 50
+    for _ in range(c.num_layers):
+        d = {}
+        for name, shape in (("self_attn.q_proj", (Hq * D, H)), ("self_attn.k_proj", (Hkv * D, H)),
+                            ("self_attn.v_proj", (Hkv * D, H)), ("self_attn.o_proj", (H, Hq * D)),
+                            ("mlp.gate_proj", (inter, H)), ("mlp.up_proj", (inter, H)), ("mlp.down_proj", (H, inter))):
+            d[name + ".weight"] = _randn(*shape, seed=seed, scale=shape[1] ** -0.5)
+            seed += 1
+            if name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                d[name + ".bias"] = _randn(shape[0], seed=seed, scale=0.5)
+                seed += 1
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            d[name] = (_randn(H, seed=seed, dtype=torch.float32).abs() + 0.5).to(torch.bfloat16)
+            seed += 1
+        d["rz_gate_up"] = torch.cat([d["mlp.gate_proj.weight"], d["mlp.up_proj.weight"]])
+        layers.append(d)
+    norm_w = (_randn(H, seed=seed, dtype=torch.float32).abs() + 0.5).to(torch.bfloat16)
+
+    def fast_mlp(d, x):  # the model class's _fast_dense_unreduced
+        gu = kernels.linear(x, d["rz_gate_up"])
+        return kernels.linear_unreduced(kernels.swiglu(gu[..., :inter], gu[..., inter:]), d["mlp.down_proj.weight"],
+                                        k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+    for M in (1, 7, 32, 200):
+        positions = torch.arange(M, device="cuda") + 3
+        cos, sin = kernels.rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+        attend = lambda q, k, v: q * 0.5 + v.repeat_interleave(Hq // Hkv, 1)  # noqa: E731  any fixed function
+        h0 = _randn(M, H, seed=100 + M, scale=2.0)
+        h = h0
+        for i, d in enumerate(layers):
+            h = ref.layer_forward(c, d.__getitem__, i, h, cos, sin, attend)
+        hf, y = h0, None
+        for i, d in enumerate(layers):
+            hf, y = ref.layer_forward_fast(c, d.__getitem__, i, hf, y, cos, sin, attend,
+                                           mlp=lambda x, d=d: fast_mlp(d, x))
+        assert isinstance(y, kernels.Unreduced), M  # down_proj ran split mode (the current tile tables)
+        assert torch.equal(ref.carried_residual(hf, y), h), M
+        assert torch.equal(ref.final_norm_carried(c, norm_w, hf, y), ref.final_norm(c, norm_w, h)), M
+
+
+def test_rope_of_q_and_k_in_one_launch_is_bitwise_two_launches():
+    """The fast path's Qwen2 RoPE: q and k, adjacent column blocks of the packed q/k/v GEMM output,
+    rotated as one strided [T, Hq + Hkv, D] view == the two calls on their own views, bf16, at
+    Qwen2-1.5B head shapes (12 / 2 heads of 128) and a GQA 4 one, decode and mid T."""
+    _need_cuda()
+    import kernels
+
+    for Hq, Hkv, D in ((12, 2, 128), (16, 4, 64)):
+        for T in (1, 7, 32, 200):
+            y = _randn(T, (Hq + 2 * Hkv) * D, seed=60 + T + Hq, scale=3.0)
+            cos, sin = kernels.rope_cos_sin(torch.arange(T, device="cuda") * 37 + 5, D, 10000.0)
+            one = kernels.apply_rope(y[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin, "neox")
+            q = kernels.apply_rope(y[:, :Hq * D].view(T, Hq, D), cos, sin, "neox")
+            k = kernels.apply_rope(y[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), cos, sin, "neox")
+            assert torch.equal(one[:, :Hq], q) and torch.equal(one[:, Hq:], k), (Hq, Hkv, D, T)
+            qc = kernels.apply_rope(y[:, :Hq * D].reshape(T, Hq, D).contiguous(), cos, sin, "neox")
+            assert torch.equal(qc, q), (Hq, Hkv, D, T)  # strided read == a contiguous copy's
+
+
 # -------------------------------------------------------------------------------------- logprobs
 
 

@@ -10,6 +10,8 @@ the same code, so a wrong index shows here without a GPU.
 * the batched keyed draw: greedy rows argmax, draws inside a kept set, a keyed row's token the same
   in any batch, frequencies of softmax(l / T) (chi-square);
 * the log-softmax of rows with all -inf vocabulary pieces (top-k masked logits) is finite.
+* a split-mode GEMM's partials summed inside the residual add + RMSNorm == the reduce kernel then
+  add_rms_norm; RoPE of q and k in one launch over their strided block == two launches.
 """
 
 import os
@@ -331,3 +333,80 @@ def test_fused_residual_add_and_norm_equals_the_two_ops_in_the_interpreter():
     """The residual add fused into the next RMSNorm gives the add's bits and the norm of the rounded
     sum (the same row function as the plain norm kernel)."""
     _interpret(CHILD_ADDNORM, "interpreted add + norm OK")
+
+
+CHILD_FUSED = r'''
+import torch
+from kernels import rope as RO
+from kernels.triton.gemm import CONFIGS, matmul, matmul_partials, reduce_partials
+from kernels.triton.rmsnorm import add_partials_rms_norm, add_rms_norm
+from kernels.triton.rope import apply_rope
+
+torch.manual_seed(0)
+# a row-parallel GEMM's fp32 partials summed inside the residual add + norm == the reduce kernel,
+# then add_rms_norm (bf16: both sides interpreted, so both truncate alike; fp32 also against torch)
+for dtype in (torch.float32, torch.bfloat16):
+    for S, R, D, with_bias in ((8, 1, 64, True), (8, 7, 96, False), (3, 5, 200, True), (1, 4, 48, True),
+                               (8, 9, 1536, True), (2, 3, 100, False)):
+        parts = torch.randn(S, R, D) * 2
+        parts[:, 0, :5] = -0.0  # 0 + (-0) is +0: the fold must start from 0.0 as the reduce kernel does
+        x = (torch.randn(R, D) * 3).to(dtype)
+        x[0, :3] = -0.0
+        b = torch.randn(D).to(dtype) if with_bias else None
+        for w in ((torch.rand(D) + 0.5).to(dtype), None):
+            h, y = add_partials_rms_norm(x, parts, b, w, 1e-6)
+            d = reduce_partials(parts, b, out_dtype=dtype)
+            h2, y2 = add_rms_norm(x, d, w, 1e-6)
+            assert torch.equal(h, h2) and torch.equal(y, y2), (dtype, S, R, D, with_bias)
+            assert h.dtype == y.dtype == dtype and h.shape == y.shape == x.shape
+        if dtype == torch.float32:
+            tot = torch.zeros(R, D)
+            for s in range(S):
+                tot = tot + parts[s]
+            if b is not None:
+                tot = tot + b
+            assert torch.equal(d, tot) and torch.equal(h, x + tot), (S, R, D)
+            if S > 2:  # the check can tell the segment order: folding backwards gives other bits
+                rev = torch.zeros(R, D)
+                for s in reversed(range(S)):
+                    rev = rev + parts[s]
+                if b is not None:
+                    rev = rev + b
+                assert not torch.equal(x + rev, h), (S, R, D)
+# matmul_partials: split configs hand back [S, M, N] partials (no bias) whose reduction is matmul's
+# output; other configs (or one segment) hand back the finished output
+x, w, b = torch.randn(5, 64), torch.randn(24, 64) * 0.125, torch.randn(24)
+for name in ("d16_n64_split", "m64_n128_split_mt", "d64_n64", "d16_n32"):
+    cfg = CONFIGS[name]
+    for segs in (1, 4):
+        got, is_parts = matmul_partials(x, w, b, k_segments=segs, config=cfg)
+        want = matmul(x, w, b, k_segments=segs, config=cfg)
+        assert is_parts == (cfg.split and segs > 1), (name, segs)
+        if is_parts:
+            assert got.shape == (segs, 5, 24) and got.dtype == torch.float32 and got.is_contiguous()
+            got = reduce_partials(got, b, out_dtype=torch.float32)
+        assert torch.equal(got, want), (name, segs)
+# RoPE of q and k in one launch: the adjacent q / k column blocks of a packed q/k/v output, read as
+# one strided [T, Hq + Hkv, D] view == the two calls (and, fp32, the CPU reference)
+for dtype in (torch.float32, torch.bfloat16):
+    for T, Hq, Hkv, D in ((5, 12, 2, 128), (1, 4, 1, 32), (3, 6, 3, 64)):
+        y = torch.randn(T, (Hq + 2 * Hkv) * D).to(dtype)
+        ang = torch.arange(T, dtype=torch.float64)[:, None] * torch.linspace(0.01, 1.0, D // 2, dtype=torch.float64)
+        cos, sin = ang.cos().float(), ang.sin().float()
+        qk = y[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D)
+        assert not qk.is_contiguous() or T == 1
+        one = apply_rope(qk, cos, sin, "neox")
+        q = apply_rope(y[:, :Hq * D].view(T, Hq, D), cos, sin, "neox")
+        k = apply_rope(y[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), cos, sin, "neox")
+        assert torch.equal(one[:, :Hq], q) and torch.equal(one[:, Hq:], k), (dtype, T, Hq, Hkv, D)
+        if dtype == torch.float32:
+            assert torch.equal(one, RO.apply_rope(qk.contiguous(), cos, sin, "neox"))
+print("interpreted fused launches OK")
+'''
+
+
+def test_fused_launches_equal_the_unfused_ones_in_the_interpreter():
+    """The engine's launch cuts: a split-mode GEMM's partials reduced inside the residual add + norm
+    (== the reduce kernel then add_rms_norm, with and without bias, N not a power of two, -0 rows),
+    matmul_partials' hand-back, and RoPE of q and k in one launch over their strided block."""
+    _interpret(CHILD_FUSED, "interpreted fused launches OK")

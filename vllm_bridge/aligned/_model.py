@@ -71,7 +71,16 @@ launches and no host synchronisation, so vLLM can replay decode steps as CUDA gr
   output element with the same K chain whatever N is, so the fused GEMM has the separate GEMMs' bits.
 * Routed experts through the grouped Triton MoE (``kernels.moe_experts``: device-side work list,
   bitwise the per-expert reference) instead of a Python loop over ``torch.unique`` ids.
-* RoPE frequencies cached on the device (``rz_inv_freq``; the same float64 values).
+* RoPE frequencies cached on the device (``rz_inv_freq``; the same float64 values). Without q/k
+  norm (Qwen2) q and k, adjacent blocks of the packed q/k/v output, are rotated in one launch.
+* The residual carried across layers (``ref.layer_forward_fast``): each layer's last add ``h + y``
+  is done by the next layer's input norm launch (``kernels.add_rms_norm``), o_proj's and a dense
+  down_proj's row-parallel segment partials (split-mode GEMM at decode sizes,
+  ``kernels.linear_unreduced``) are summed inside the add + norm that follows them, and the stage's
+  last pending add is finished by the final norm (last stage, one launch) or before the residual
+  is sent on (``ref.carried_residual``: a pipeline stage boundary carries the whole residual ``h``).
+  Every value is the one ``ref.layer_forward`` computes; MoE outputs (the grouped GEMM's own
+  reduction) arrive finished and take the plain add + norm.
 """
 
 from __future__ import annotations
@@ -472,7 +481,13 @@ class RZAlignedForCausalLM(nn.Module):
             h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         else:  # the previous stage's residual stream, bit for bit (a plain send / recv)
             h = intermediate_tensors["hidden_states"]
-        h = self._fast_forward(h, positions) if self.rz_fast else self._layers_forward(h, positions)
+        if self.rz_fast:
+            h, y = self._fast_forward(h, positions)  # the stage's residual is h + y, the add not yet done
+            if self.rz_last:  # the last add and the final norm: one launch
+                return ref.final_norm_carried(c, self.model.norm.weight, h, y)
+            h = ref.carried_residual(h, y)  # the next stage receives the whole residual stream
+        else:
+            h = self._layers_forward(h, positions)
         if not self.rz_last:
             from vllm.sequence import IntermediateTensors
 
@@ -494,23 +509,28 @@ class RZAlignedForCausalLM(nn.Module):
         return h
 
     # ---- GPU fast path (module docstring) ---------------------------------------------------------
-    def _fast_forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _fast_forward(self, h: torch.Tensor, positions: torch.Tensor):
+        """This stage's layers through ``ref.layer_forward_fast`` -> ``(h, y)``: the stage's output
+        residual is ``h + y`` (y: the last layer's MLP output, its add left to the caller)."""
         c = self.c
         cos, sin = kernels.rope_cos_sin(positions, c.rope_dim, c.rope_theta, inv_freq=self.rz_inv_freq)
+        y = None
         for i, layer in self._stage_layers():
             w = layer.get_parameter
             attend = lambda q, k, v, layer=layer: self._attend(layer, q, k, v)  # noqa: E731
             qkv = (lambda x, cos, sin, layer=layer: self._fast_qkv(layer, x, cos, sin)) \
                 if "qkv" in (getattr(layer.self_attn, "rz_packs", None) or {}) else None
-            h = ref.layer_forward(c, w, i, h, cos, sin, attend, mlp=lambda x, layer=layer, i=i: self._fast_mlp(layer, i, x),
-                                  qkv=qkv)
-        return h
+            h, y = ref.layer_forward_fast(c, w, i, h, y, cos, sin, attend,
+                                          mlp=lambda x, layer=layer, i=i: self._fast_mlp(layer, i, x), qkv=qkv)
+        return h, y
 
     def _fast_qkv(self, layer, x, cos, sin):
         """q/k/v from one GEMM over the packed ``[N_q + 2 N_kv, H]`` weight (same bits as three: one K
         segment, each output column its own K chain); Qwen2's biases are one packed ``[N_q + 2 N_kv]``
         vector, added per column in fp32 before the one rounding as in the three biased GEMMs. Then
-        Qwen3's q/k RMSNorm (families with ``qk_norm``) and RoPE."""
+        Qwen3's q/k RMSNorm (families with ``qk_norm``) and RoPE; without q/k norm (Qwen2) one RoPE
+        launch rotates q and k together. q, k and v come back as views of the GEMM output / the
+        RoPE output (the CUDA backend reads them through their strides: ``_attend`` copies nothing)."""
         c = self.c
         T, D = x.shape[0], c.head_dim
         a = layer.self_attn
@@ -518,22 +538,36 @@ class RZAlignedForCausalLM(nn.Module):
         bias = a.rz_packs["qkv_bias"][0] if "qkv_bias" in a.rz_packs else None
         y = kernels.linear(x, pack, bias)
         nq, nk = c.num_heads * D, c.num_kv_heads * D
-        q = y[:, :nq].reshape(T, c.num_heads, D)
-        k = y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D)
         v = y[:, nq + nk:].reshape(T, c.num_kv_heads, D)
-        if c.family.qk_norm:
-            q = kernels.rms_norm(q, a.q_norm.weight, c.rms_norm_eps)
-            k = kernels.rms_norm(k, a.k_norm.weight, c.rms_norm_eps)
+        if not c.family.qk_norm:
+            # Qwen2: q and k are adjacent column blocks of y, rotated as one strided
+            # [T, Hq + Hkv, D] view in one launch (RoPE is elementwise: the two calls' bits)
+            qk = kernels.apply_rope(y[:, :nq + nk].view(T, c.num_heads + c.num_kv_heads, D), cos, sin, "neox")
+            return qk[:, :c.num_heads], qk[:, c.num_heads:], v
+        q = kernels.rms_norm(y[:, :nq].reshape(T, c.num_heads, D), a.q_norm.weight, c.rms_norm_eps)
+        k = kernels.rms_norm(y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D), a.k_norm.weight, c.rms_norm_eps)
         return kernels.apply_rope(q, cos, sin, "neox"), kernels.apply_rope(k, cos, sin, "neox"), v
 
     @staticmethod
     def _fast_dense(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return kernels.expert_mlp_merged(x, m.rz_packs["gate_up"][0], m.down_proj.weight)
 
-    def _fast_mlp(self, layer, i: int, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _fast_dense_unreduced(m: nn.Module, x: torch.Tensor):
+        """:meth:`_fast_dense` (``kernels.expert_mlp_merged``'s ops) with down_proj through
+        ``kernels.linear_unreduced``: its segment sum is left to the next residual add + norm."""
+        pack = m.rz_packs["gate_up"][0]
+        gu = kernels.linear(x, pack)
+        i = pack.shape[0] // 2
+        return kernels.linear_unreduced(kernels.swiglu(gu[..., :i], gu[..., i:]), m.down_proj.weight,
+                                        k_segments=kernels.ROW_PARALLEL_K_SEGMENTS)
+
+    def _fast_mlp(self, layer, i: int, x: torch.Tensor):
+        """The layer's MLP output: a tensor, or for a dense layer a ``kernels.Unreduced`` where the
+        down_proj GEMM runs in split mode (``ref.layer_forward_fast`` finishes it in the next add)."""
         c, m = self.c, layer.mlp
         if not c.moe_layers[i]:
-            return self._fast_dense(m, x)
+            return self._fast_dense_unreduced(m, x)
         st = m.rz_stacks
         if c.family.router == "softmax":  # Qwen3-MoE
             logits = kernels.router_logits(x, m.gate.weight, out_dtype=x.dtype)

@@ -86,7 +86,7 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes,
                  sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None, *,
-                 rz_v_head_dim: int | None = None, **unused) -> None:
+                 rz_v_head_dim: int | None = None, rz_zero_output: bool = True, **unused) -> None:
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
             raise NotImplementedError("aligned CUDA attention: no ALiBi, sliding window or soft cap")
         if attn_type != AttentionType.DECODER:
@@ -103,6 +103,13 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
         # DeepSeek MLA in expanded form: V is stored zero-padded to the qk head size; attend over
         # the first rz_v_head_dim channels (see attention_backend's docstring).
         self.rz_v_head_dim = rz_v_head_dim
+        # Whether forward() zeroes the whole output before the kernel writes its rows (a model's
+        # choice, passed through vLLM's Attention(..., rz_zero_output=...)): needed where a later op
+        # reads rows the kernel leaves unwritten (a captured graph's padded requests, the V channels
+        # past rz_v_head_dim): MoE routers and the grouped MoE work list run on every row, and MLA
+        # slices the padded V. A model whose later ops are all row-local (dense Qwen2) passes False
+        # and saves the fill launch: its unwritten rows stay garbage that only they themselves see.
+        self.rz_zero_output = bool(rz_zero_output)
         # Set by a model for one call (aligned DeepSeek-V4, as on the CPU backend): instead of
         # attention, each sequence's cached rows (K then V channels) go to fn(a, b, positions,
         # history), which returns the output rows a:b. Eager only (host sizes read per sequence):
@@ -136,9 +143,10 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
         dv = self.rz_v_head_dim or kc.shape[-1]
         out = output.view(output.shape[0], self.num_heads, -1)
         # rows the kernel does not write (tokens of a captured graph's padded requests, and the V
-        # channels past rz_v_head_dim) must be finite zeros, not the buffer's old contents: later
-        # row-wise ops (router, grouped MoE work list) run on every row
-        out.zero_()
+        # channels past rz_v_head_dim) must be finite zeros, not the buffer's old contents, where
+        # later row-wise ops (router, grouped MoE work list) run on every row (rz_zero_output)
+        if self.rz_zero_output:
+            out.zero_()
         paged_attention(query.view(query.shape[0], self.num_heads, -1), kc, vc[..., :dv], md.block_table,
                         md.query_start_loc, md.seq_lens, self.scale, max_q_len=md.max_query_len,
                         out=out[..., :dv], num_seqs=md.num_reqs)

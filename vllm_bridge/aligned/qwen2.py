@@ -9,12 +9,16 @@ over vLLM's paged KV cache with the aligned backend, as the Qwen3-MoE class.
 Not sharded over vLLM's tensor-parallel group yet (``TP_SHARDED = False``): at
 tensor_parallel_size > 1 every worker holds and computes the whole model (bitwise the TP=1 engine).
 On CUDA (the fast path, ``_model``'s docstring) q/k/v are one biased GEMM over the packed weight and
-bias, and the dense MLP's gate/up one GEMM.
+bias, q and k rotated in one RoPE launch, and the dense MLP's gate/up one GEMM. The CUDA attention
+backend skips its zero fill of the output for this class (``rz_zero_output=False``): a dense
+model's later ops are all row-local, so a padded request's unwritten rows reach no other row.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+from vllm_bridge.vllm_compat import is_cuda
 
 from ._model import Params, packed_rows
 from .qwen3_moe import RZAlignedQwen3MoeForCausalLM
@@ -38,5 +42,9 @@ class RZAlignedQwen2ForCausalLM(RZAlignedQwen3MoeForCausalLM):
             for name, n in rows.items():
                 setattr(m, name, Params(dtype, weight=(n, H), bias=(n,)))
         m.o_proj = Params(dtype, weight=(H, c.num_heads * D))
-        m.attn = self._make_attn(prefix, c.num_heads, D, c.num_kv_heads)
+        # CUDA backend: no zero fill of the attention output (every later op of a dense model is
+        # row-local, so rows the kernel leaves unwritten -- a captured graph's padded requests --
+        # reach no other row; nothing reads them)
+        extra = {"rz_zero_output": False} if is_cuda() else {}
+        m.attn = self._make_attn(prefix, c.num_heads, D, c.num_kv_heads, **extra)
         return m

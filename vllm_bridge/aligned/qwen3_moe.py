@@ -50,6 +50,10 @@ class RZAlignedQwen3MoeForCausalLM(RZAlignedForCausalLM):
 
     def _attend(self, layer, q, k, v):
         T = q.shape[0]
-        o = layer.self_attn.attn(q.reshape(T, -1).contiguous(), k.reshape(T, -1).contiguous(),
-                                 v.reshape(T, -1).contiguous())
+        q, k, v = q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)
+        if not self.rz_fast:  # the CPU backend's ops take contiguous rows
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # CUDA (fast path): q / k / v may be row-strided views of the packed q/k/v GEMM or RoPE
+        # output; the backend's cache write and attention read them through their strides
+        o = layer.self_attn.attn(q, k, v)
         return o.view(T, self.rz_c.num_heads, self.c.head_dim)
