@@ -349,8 +349,8 @@ class RolloutEngine:
             # CUDA vLLM 0.26: CUDA graphs unless asked to run eagerly; the aligned classes decode in
             # FULL graphs with torch.compile off (vllm_compat, item 2); chunked prefill on.
             if aligned:
-                # DeepSeek-V4 / V4.1's payload cache is read one sequence at a time with host sizes
-                # (cuda_attention's rz_history_fn): eager, no graphs
+                # DeepSeek-V4's compact cache (dsv4_cache) and V4.1's payload cache are read one
+                # sequence at a time with host sizes: eager, no graphs
                 graphs = not enforce_eager and not _is_deepseek_v4(str(self.model_dir))
                 kwargs.update(vllm_compat.aligned_engine_kwargs(cuda_graphs=graphs))
             else:

@@ -30,8 +30,10 @@ What differs, and why:
 5. *A cache layer read and written by the model itself* (the aligned DeepSeek-V4 class's window and
    entries caches, vllm_bridge/aligned/dsv4_cache.py): :func:`attention_context` returns the layer's
    metadata (query_start_loc, seq_lens, block_table of its KV cache group), its cache tensor and its
-   slot mapping, from vLLM 0.32's ``get_attention_context``; vLLM 0.26 has no such helper and keeps
-   the same three in the forward context, read directly.
+   slot mapping, from ``get_attention_context`` (vllm/model_executor/layers/attention/attention.py in
+   0.32 and in 0.26; a build without it keeps the same three in the forward context, read directly).
+   The metadata is the layer's backend's: vLLM-CPU's (host tensors), or on CUDA the compact cache's
+   subclass of the aligned CUDA backend, which adds host copies of the batch sizes.
 
 Nothing here imports CUDA-only or CPU-only vLLM modules at import time.
 """

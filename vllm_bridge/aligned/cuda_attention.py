@@ -16,8 +16,12 @@ metadata builder, which calls a CPU-only op). Selected for the aligned model cla
   what the learner computes for it over the whole sequence.
 * No host synchronisation: the metadata builder only forwards vLLM's device tensors and its host
   sizes (``num_reqs``, ``max_query_len``); the grid is a function of those alone.
-* DeepSeek-V4's per-token payload cache: ``rz_history_fn`` (the CPU backend's hook), one sequence
-  at a time, eager (the engine turns CUDA graphs off for those classes).
+* A per-token payload cache: ``rz_history_fn`` (the CPU backend's hook), one sequence at a time,
+  eager (the engine turns CUDA graphs off for the V4 family). No class routes through it at
+  present: the DeepSeek-V4 class runs its compact cache on CUDA (``vllm_bridge.aligned.dsv4_cache``:
+  two cache layers of its own through a subclass of this backend with host batch sizes in the
+  metadata and blocks a multiple of the compress ratios; the model reads and writes them, no
+  attention), and the V4.1 class's payload layers name the CPU backend class.
 * CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. Decode batches are captured as FULL graphs (the
   engine runs ``cudagraph_mode=FULL_DECODE_ONLY``); padded requests of a captured batch have no
   queries and do nothing. Prefill / mixed batches run eagerly: the grid depends on the batch's
@@ -154,9 +158,11 @@ class RZAlignedCudaAttentionImpl(AttentionImpl):
 
 
     def _forward_history(self, query, kv_cache, md: "RZAlignedCudaMetadata", output) -> torch.Tensor:
-        """The per-token payload path (DeepSeek-V4): for each sequence, its cached rows 0..L-1
+        """The per-token payload path (module docstring: the V4 class runs its compact cache,
+        dsv4_cache.py, on CUDA and no longer comes here): for each sequence, its cached rows 0..L-1
         gathered from its blocks ([L, kv_heads * D] of K, then of V: the CPU backend's history
-        layout) and handed to ``rz_history_fn`` with the queries' positions ``L - n .. L - 1``."""
+        layout) and handed to ``rz_history_fn`` with the queries' positions ``L - n .. L - 1``.
+        Eager: the sequences' sizes are read from the device on each call."""
         fn = self.rz_history_fn
         kc, vc = self._caches(kv_cache)
         _, kvh, bs, D = kc.shape

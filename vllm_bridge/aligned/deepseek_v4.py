@@ -5,18 +5,25 @@ DeepSeek checkpoint names (``layers.3.attn.compressor.wkv.weight`` is a paramete
 the checkpoint loads, and weight updates reload, with vLLM's default loader.
 
 KV cache: a DeepSeek-V4 query needs, for each earlier token of its sequence, its key (sliding
-window) and its compressor/indexer projections (compressed entries are pooled from them). Each layer
-therefore caches one *payload* row per token (:func:`kernels.models.dsv4.token_state`), zero-padded to
-one width for all layers and stored as the K and V halves of a paged cache (128-wide KV heads) through
-the aligned attention backend. At attention time the backend gathers a sequence's payload rows
-0..L-1 and hands them to this model's :func:`kernels.models.dsv4.attend_sequence`, exactly what the
-learner runs over its full sequence. The stock vLLM model instead keeps an fp8 compressed cache and
-fused CPU kernels (its ``fast`` counterpart).
+window) and its compressor/indexer projections (compressed entries are pooled from them): each layer's
+*payload* row per token (:func:`kernels.models.dsv4.token_state`).
 
-Cost: compressed entries are re-pooled from the payloads at every step (cheap elementwise work, no
-GEMM); the cache holds all tokens, not only the sliding window. (The CPU engine's compact cache,
-``COMPACT_CACHE``, vllm_bridge/aligned/dsv4_cache.py, keeps a window of payload rows and each entry
-once instead.)
+* The compact cache (``COMPACT_CACHE``, this class, on both engines: vLLM-CPU and CUDA vLLM,
+  vllm_bridge/aligned/dsv4_cache.py): a sliding window of payload rows and each compressed entry
+  stored once when its window completes, in two vLLM caches the model reads and writes itself; each
+  query is answered by :func:`kernels.models.dsv4.attend_entries` over the same keys and entries the
+  learner computes over its full sequence. On CUDA the engine runs it eagerly (sizes read per
+  sequence on the host).
+* The payload cache (``COMPACT_CACHE = False``: DeepSeek-V4.1, whose compressed layers read other
+  layers' whole histories): every token's payload row, zero-padded to one width for all layers, as
+  the K and V halves of a paged cache (128-wide KV heads) through the aligned CPU attention backend
+  (:mod:`.attention_backend`), whose history hook (``rz_history_fn``) hands each sequence's rows
+  0..L-1 to :func:`kernels.models.dsv4.attend_sequence`. Compressed entries are re-pooled at every
+  step and the cache holds all tokens. (Not run on the CUDA engine: the CUDA backend's twin of the
+  hook, :mod:`.cuda_attention`, is not wired to this class.)
+
+The stock vLLM model instead keeps an fp8 compressed cache and fused kernels (its ``fast``
+counterpart).
 
 Compressed entries are attended as stock vLLM stores them (config key ``rz_kv_entries``,
 :class:`kernels.models.dsv4.V4Config` ``kv_entries``): "fp8" by default, each entry quantised after its
@@ -69,7 +76,6 @@ import re
 from kernels.models import dsv4 as R
 from kernels.models.qwen3_dsv3 import FP8_SUFFIX, FP8WeightCache
 from ._model import LogitsScale, RZAlignedForCausalLM, tp_all_reduce, tp_info
-from vllm_bridge.vllm_compat import is_cuda
 
 from .attention_backend import RZAlignedAttentionBackend
 
@@ -146,14 +152,13 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
 
         self._build_parameter_tree(c, make, include if self.rz_sharded else None)
         self.rz_cache = None
-        # The compact cache reads vLLM-CPU's cache tensor layout; the CUDA engine keeps the payload
-        # cache (cuda_attention's history hook) until its backend serves the compact one.
-        compact = self.COMPACT_CACHE and not is_cuda()
-        if compact:
+        # The compact cache on either platform (its layers' backend: dsv4_cache.cache_backend). The
+        # payload cache (V4.1) names the CPU backend class, as before (not run on CUDA).
+        if self.COMPACT_CACHE:
             from .dsv4_cache import CompactCache
 
-            self.rz_cache = CompactCache(c, dtype, self.cache_config, RZAlignedAttentionBackend)
-        for i in range(c.num_layers if not compact else 0):
+            self.rz_cache = CompactCache(c, dtype, self.cache_config)
+        for i in range(c.num_layers if not self.COMPACT_CACHE else 0):
             self.get_submodule(f"layers.{i}.attn").cache = Attention(
                 num_heads=out_heads, head_size=hs, scale=1.0, num_kv_heads=kv_heads, cache_config=self.cache_config,
                 quant_config=None, prefix=f"layers.{i}.attn.cache", attn_backend=RZAlignedAttentionBackend,
