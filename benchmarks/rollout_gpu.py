@@ -224,6 +224,9 @@ def check(ckpt: str, out: str, *, which=("aligned", "stock")) -> dict:
 ENGINE_KINDS = {
     "stock": (False, {}),  # vLLM's own class, CUDA graphs + torch.compile (its defaults)
     "stock_bi": (False, {"VLLM_BATCH_INVARIANT": "1"}),  # vLLM's own batch-invariant mode
+    # stock on vLLM's V1 model runner, the one the aligned engine runs (for a dense model stock's
+    # default is the V2 runner): separates the runner's host cost from the kernels' in a dense cell
+    "stock_v1": (False, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "aligned": (True, {}),  # the project's aligned class (RolloutEngine(aligned=True))
     # the aligned class with the split-KV decode, the one-kernel MoE work list and the batched draw
     # off (the plans before them; same logprob bits, kernels.settings)
