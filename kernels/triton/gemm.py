@@ -77,15 +77,20 @@ class GemmConfig:
     # segment's end (instead of the widest power-of-two tile >= 16 that divides it, e.g. 32 for the
     # 1120-column segments of a 8960-wide down_proj)
     mask_tail: bool = False
+    # segmented shapes, one program over all segments (not split): the segment loop and each
+    # segment's K loop flattened into one software-pipelined loop (``tl.range(flatten=True)``), so
+    # the pipeline does not drain and refill at every segment boundary (8 segments of 192 columns
+    # are 3 K steps each); the same dot chains, partials added in the same order
+    flat: bool = False
 
     @property
     def name(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-                f"{'_tma' if self.tma else ''}{'_split' if self.split else ''}{'_mt' if self.mask_tail else ''}")
+                f"{'_tma' if self.tma else ''}{'_split' if self.split else ''}{'_mt' if self.mask_tail else ''}{'_flat' if self.flat else ''}")
 
 
-def _c(bm, bn, bk, w, s, g=8, tma=False, split=False, mask_tail=False) -> GemmConfig:
-    return GemmConfig(bm, bn, bk, w, s, g, tma, split, mask_tail)
+def _c(bm, bn, bk, w, s, g=8, tma=False, split=False, mask_tail=False, flat=False) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, w, s, g, tma, split, mask_tail, flat)
 
 
 # Every config here must give identical bits (test_gemm_all_configs_identical). The dispatcher
@@ -112,6 +117,11 @@ CONFIGS = {
     # picked for long-K segmented shapes at M <= 64; gpu_kernels.py --sweep --shapes 8960,1536,8)
     "d16_n64_split_mt": _c(16, 64, 128, 4, 4, split=True, mask_tail=True),
     "m64_n128_split_mt": _c(64, 128, 64, 4, 4, split=True, mask_tail=True),
+    # prefill / learner sizes of segmented shapes with the flattened segment loop (candidates for
+    # the sweep, not picked yet; on unsegmented shapes they are the plain configs)
+    "p128_n128_tma_s5_flat": _c(128, 128, 64, 8, 5, tma=True, flat=True),
+    "p128_n256_tma_flat": _c(128, 256, 64, 8, 3, tma=True, flat=True),
+    "d64_n64_flat": _c(64, 64, 128, 4, 4, flat=True),
 }
 
 
@@ -237,6 +247,45 @@ def _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, k_lo, k_hi, M, N, K,
     return acc
 
 
+@triton.jit
+def _flat_segments(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                   SEG_LEN, NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """``((0 + p0) + p1) + ...`` where ``p_s`` is segment s's dot chain from zero, K ascending:
+    exactly ``_seg_dot`` per segment, in a loop nest the compiler flattens and pipelines as one."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    for s in tl.range(0, NUM_SEGS, num_stages=NUM_STAGES, flatten=True):
+        k_lo = s * SEG_LEN
+        k_hi = k_lo + SEG_LEN
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            if TMA:
+                a = x_desc.load([off_m, k])
+                b = w_desc.load([off_n, k])
+            else:
+                kk = k + rk
+                xp = x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk
+                wp = w_ptr + rn[:, None] * stride_wn + kk[None, :] * stride_wk
+                if EVEN_K:
+                    a = tl.load(xp, mask=mask_m[:, None], other=0.0)
+                    b = tl.load(wp, mask=mask_n[:, None], other=0.0)
+                else:
+                    a = tl.load(xp, mask=mask_m[:, None] & (kk[None, :] < k_hi), other=0.0)
+                    b = tl.load(wp, mask=mask_n[:, None] & (kk[None, :] < k_hi), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        total = total + acc
+    return total
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, bias_ptr,
                  M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
@@ -244,7 +293,7 @@ def _gemm_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, bias_ptr,
                  NUM_SEGS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, IEEE: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, FLAT: tl.constexpr = False):
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
@@ -265,6 +314,10 @@ def _gemm_kernel(x_ptr, w_ptr, x_desc, w_desc, out_ptr, bias_ptr,
             total = _seg_dot(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, 0, K, M, N, K,
                              stride_xm, stride_xk, stride_wn, stride_wk,
                              BLOCK_M, BLOCK_N, BLOCK_K, TMA, EVEN_K, NUM_STAGES, IEEE)
+        elif FLAT:
+            total = _flat_segments(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, N, K, stride_xm, stride_xk,
+                                   stride_wn, stride_wk, SEG_LEN, NUM_SEGS, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                                   EVEN_K, NUM_STAGES, IEEE)
         else:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(0, NUM_SEGS):
@@ -404,7 +457,7 @@ def _matmul(x2, w, bias, out_dtype, k_segments, config, out, *, keep_partials: b
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
                   TMA=tma, EVEN_K=even_k, NUM_STAGES=num_stages, num_warps=cfg.num_warps,
-                  IEEE=x2.dtype == torch.float32)
+                  IEEE=x2.dtype == torch.float32, FLAT=cfg.flat and nseg > 1)
     if split:
         ws = torch.empty(nseg, M, N, device=x2.device, dtype=torch.float32)
         _gemm_kernel[(tiles, nseg)](

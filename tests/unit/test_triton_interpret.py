@@ -286,6 +286,17 @@ for K, segs in ((8960, 8), (1536, 8)):
         if cfg.mask_tail:
             y = matmul(x, w, k_segments=segs, config=cfg)
             assert (y.double() - exact).abs().max() < 1e-4, (name, K, segs)
+# the flattened segment loop runs each segment's dot chain and adds the partials as the nested loop
+# does: the interpreter's numpy dots are the same per tile, so the bits are equal here too
+import dataclasses
+flats = [c for c in CONFIGS.values() if c.flat]
+assert flats
+for K, segs in ((8960, 8), (1536, 8), (200, 8)):
+    w = torch.randn(24, K) * K ** -0.5
+    x = torch.randn(5, K)
+    for cfg in flats:
+        y = matmul(x, w, k_segments=segs, config=cfg)
+        assert torch.equal(y, matmul(x, w, k_segments=segs, config=dataclasses.replace(cfg, flat=False))), (cfg.name, K)
 from kernels.triton.moe import grouped_linear
 # the same for an expert's segments in the grouped GEMM (tiny_dsv3: 64-wide down_proj, 8 segments)
 for K, segs in ((64, 8), (200, 8), (48, 2)):
