@@ -11,6 +11,8 @@
 #   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
 #   learner  the learner's train step aligned vs fast (benchmarks/learner_gpu.py; LEARNER_CONFIGS, LEARNER_PROFILE=1)
 #   step   `rz bench step recipes/gpu_moe.yaml`: the whole RL step aligned vs fast (rollout / learner / sync)
+#   stab   one GPU segment of the stability comparison (tiny_moe, bf16 both sides, lag 8 aligned vs fast;
+#          STAB_ROOT_IN continues a carried root, STAB_LEGS / STAB_STEPS / STAB_SLICE / STAB_BUDGET / STAB_S)
 #   verify_cost  the sync check's exact checksum per GB: per tensor vs the whole list at once (benchmarks/verify_cost.py)
 #   sampler  the sampler's host / GPU cost per call, stock vs aligned, fused epilogue on and off
 #          (benchmarks/sampler_host.py)
@@ -188,6 +190,19 @@ PYEOF
         > "$d/learner_gpu.log" 2>&1
       echo "rc=$? learner" >> "$d/summary.txt"
       grep -vE "^(INFO|WARNING|\(EngineCore)" "$d/learner_gpu.log" | tail -30 | tee -a "$d/summary.txt" ;;
+    stab)
+      # one segment of the stability comparison on the GPU (benchmarks/stability.py, bf16 learner and
+      # vLLM in both modes, tiny_moe: its run directories are small enough to travel back under $OUT).
+      # STAB_ROOT_IN: a root carried from an earlier segment (copied, then continued: nothing is
+      # restarted); the continued root and the report come back in $d
+      root="$d/root"
+      if [ -n "${STAB_ROOT_IN:-}" ] && [ -d "$STAB_ROOT_IN" ]; then cp -r "$STAB_ROOT_IN" "$root"; fi
+      timeout ${STAB_S:-540} "$PY" benchmarks/stability.py run --root "$root" --bf16 both \
+        --legs ${STAB_LEGS:-aligned:8,fast:8} --steps ${STAB_STEPS:-2000} --slice-s ${STAB_SLICE:-120} \
+        --budget-s ${STAB_BUDGET:-480} warm_start.device=cuda > "$d/stab.log" 2>&1
+      echo "rc=$? stab" >> "$d/summary.txt"
+      "$PY" benchmarks/stability.py report --root "$root" --out "$d/report" >> "$d/stab.log" 2>&1
+      tail -12 "$d/report/report.md" 2>/dev/null | tee -a "$d/summary.txt" ;;
     verify_cost)
       # the every-parameter sync check's checksum: per tensor and the whole list at once (kernels.triton.bits)
       "$PY" benchmarks/verify_cost.py --device cuda --gb ${VERIFY_GB:-2} --out "$d/verify_cost.json" 2>&1 | tail -4 | tee "$d/summary.txt" ;;
