@@ -177,6 +177,7 @@ def check(ckpt: str, out: str, *, which=("aligned", "stock")) -> dict:
         eng = _engine(ckpt, kind == "aligned", mem_gb=8, max_len=1024)
         r: dict = {"startup_s": round(time.perf_counter() - t0, 1)}
         try:
+            r["model_runner"] = eng.collective_rpc("rz_model_runner")[0]
             batch = eng.generate(prompts, 1, temperature=1.0, max_new_tokens=64, seed=7)
             alone = [eng.generate([prompts[i]], 1, temperature=1.0, max_new_tokens=64, seed=7 + i)[0] for i in range(8)]
             same_tok = [batch[i].response_ids == alone[i].response_ids for i in range(8)]
@@ -240,6 +241,9 @@ ENGINE_KINDS = {
     # the aligned class with 16-row split-KV decode programs (kernels.settings.set_decode_rows: a
     # launch plan only where the GPU gives the 64-row tile's bits, which the GPU tests check)
     "aligned_r16": (True, {"RZ_DECODE_ROWS": "16"}),
+    # the aligned class on vLLM's V2 GPU model runner (stock's default for dense models; the sampler
+    # patch's V2 half, vllm_bridge.sampler_patch.apply_v2)
+    "aligned_v2": (True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
 }
 
 

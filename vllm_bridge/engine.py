@@ -363,7 +363,9 @@ class RolloutEngine:
             if fp8 is not None:
                 kwargs["hf_overrides"]["rz_fp8"] = self.fp8
             # The sampler computes the processed logprob with kernels.sampling, the learner's
-            # function (vllm_bridge/sampler_patch.py); it patches the V1 model runner's sampler.
+            # function (vllm_bridge/sampler_patch.py). It patches the V1 model runner's sampler and,
+            # on CUDA vLLM 0.26, the V2 runner's: the V1 runner is the default here; a caller's
+            # VLLM_USE_V2_MODEL_RUNNER=1 picks V2 (stock's default for dense models; not yet GPU-run).
             env["RZ_ALIGNED_SAMPLER"] = "1"
             env.setdefault("VLLM_USE_V2_MODEL_RUNNER", os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))
             if self.is_mla or _is_deepseek_v4(self.model_dir):
@@ -441,9 +443,9 @@ class RolloutEngine:
         if aligned and not all(self._rpc("rz_aligned_sampler")):
             self.close()
             raise RolloutEngineError(
-                "aligned engine without the aligned sampler (vllm_bridge.sampler_patch): this vLLM's V1 "
-                "Sampler was not patched, or the V2 model runner is in use (VLLM_USE_V2_MODEL_RUNNER=1); the "
-                "processed logprobs would not be the learner's. Use vLLM 0.32 (CPU) / 0.26 (CUDA) with the V1 runner.")
+                "aligned engine without the aligned sampler (vllm_bridge.sampler_patch): this vLLM's "
+                "Sampler was not patched (V1 runner: vLLM 0.32 CPU / 0.26 CUDA; V2 runner, "
+                "VLLM_USE_V2_MODEL_RUNNER=1: CUDA 0.26 only); the processed logprobs would not be the learner's.")
         if kwargs.get("skip_tokenizer_init"):  # token ids in and out (benchmarks): EOS from config.json
             self.eos_token_id = _config(self.model_dir).get("eos_token_id")
         else:

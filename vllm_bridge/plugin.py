@@ -12,4 +12,5 @@ def register() -> None:
 
     vllm_patches.apply()
     sampler_patch.apply()  # aligned engines' sampler: the kernels.sampling contract
+    sampler_patch.apply_v2()  # the same on vLLM's V2 GPU model runner (CUDA 0.26; opt-in per engine)
     __import__("vllm_bridge.aligned", fromlist=["register_aligned"]).register_aligned()

@@ -35,7 +35,8 @@ sampling_metadata, logprobs_mode_override=None) -> (sampled, processed_logprobs)
 runner's sampler) and for CUDA vLLM 0.26, whose V1 ``Sampler.sample`` has the same signature
 (GPU-untested). On any other version the patch is not applied and an aligned engine refuses to
 start (RolloutEngine checks every worker's sampler through ``rz_aligned_sampler``). The V2 model
-runner has its own sampler: aligned engines run the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
+runner has its own sampler, patched for CUDA vLLM 0.26 by :func:`apply_v2` (the second half of this
+module); aligned engines run the V1 runner unless the caller sets ``VLLM_USE_V2_MODEL_RUNNER=1``.
 
 Which engines: only aligned ones. ``RolloutEngine(aligned=True)`` sets ``RZ_ALIGNED_SAMPLER=1`` in
 the environment its engine processes inherit; each ``Sampler`` records the variable when it is
@@ -388,6 +389,134 @@ def apply() -> None:
     sample._rz_patched = True
     cls.__init__ = __init__
     cls.sample = sample
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's V2 GPU model runner (``vllm/v1/worker/gpu/``), CUDA vLLM 0.26 only. Stock vLLM runs a dense
+# model on this runner by default (``VllmConfig.use_v2_model_runner``); an aligned engine runs it only
+# when asked (``VLLM_USE_V2_MODEL_RUNNER=1`` in the caller's environment; RolloutEngine's default
+# stays the V1 runner). Written against the 0.26 source; not yet run on a GPU.
+#
+# The V2 ``Sampler.__call__(logits, input_batch) -> SamplerOutput`` is replaced for aligned engines by
+# :func:`aligned_v2_call`: the same contract as the V1 path above (the processed logprobs are
+# ``kernels.processed_logprobs`` / ``untruncated_logprobs``; a token outside the kept set can't be
+# drawn; the finiteness check read one step later), and the draw is the keyed Gumbel race
+# (``kernels.triton.draw``) keyed by V2's own per-request state: the request's seed (V2 gives every
+# request one, a random one when it has none) and the token's position. No per-step host work for
+# seeds. The reported scores go through V2's own ``compute_topk_scores`` in its logits mode, which
+# only gathers and ranks: the values are our processed logprobs, bit for bit.
+
+PATCHED_V2_FOR = ("0.26.",)
+
+
+def _refuse_unsupported_v2(sampler, idx_np) -> None:
+    found = []
+    if np.any(sampler.penalties_state.use_penalty[idx_np]):
+        found.append("repetition / presence / frequency penalty")
+    if np.any(sampler.logit_bias_state.use_logit_bias[idx_np]):
+        found.append("logit_bias / allowed_token_ids / min_tokens")
+    if int(sampler.bad_words_state.num_bad_words.np[idx_np].max(initial=0)) > 0:
+        found.append("bad_words")
+    if np.any(sampler.sampling_states.min_p.np[idx_np] != 0.0):
+        found.append("min_p")
+    if sampler.logprob_token_ids_state.max_num_token_ids(idx_np) > 0:
+        found.append("logprob_token_ids")
+    if found:
+        raise AlignedSamplingError(
+            f"aligned sampler: {', '.join(found)} is not part of the sampling contract (temperature, top_k, "
+            "top_p): the learner cannot compute the logprob it would report. Drop it, or use mode=fast.")
+
+
+def aligned_v2_sample(sampler, logits: torch.Tensor, idx: torch.Tensor, idx_np, pos: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampled token ids [N] int64, processed logprobs [N, V] fp32) for the V2 runner's rows:
+    ``idx[r]`` is row r's request slot, ``pos[r]`` the position of the token it samples."""
+    import kernels
+    from kernels.triton.draw import gumbel_draw, gumbel_draw_with_logprob
+
+    st = sampler.sampling_states
+    logits = logits.to(torch.float32)
+    t_raw = st.temperature.gpu[idx]
+    temp = torch.where(t_raw < _SAMPLING_EPS, torch.ones_like(t_raw), t_raw)  # greedy rows: logprobs at T = 1
+    keys = torch.stack([st.seeds.gpu[idx].to(torch.int64), pos.to(torch.int64)], dim=1)
+    top_k, top_p = st.get_top_k_top_p(idx, idx_np)
+    _check_pending(sampler)
+    if top_k is None and top_p is None and kernels.row_temperature_supported(logits):
+        lp = kernels.untruncated_logprobs(logits, temp)
+        sampled, token_lp, finite = gumbel_draw_with_logprob(logits, t_raw, lp, keys, eps=_SAMPLING_EPS)
+    else:
+        k = top_k if top_k is not None else 0
+        p = top_p if top_p is not None else 1.0
+        draw = kernels.masked_logits(logits, temp, k, p)  # l / T on the kept set, -inf elsewhere
+        # greedy rows keep their T (< eps: the kernel's argmax); the others are already divided by T
+        sampled = gumbel_draw(draw, torch.where(t_raw < _SAMPLING_EPS, t_raw, torch.ones_like(t_raw)), keys,
+                              eps=_SAMPLING_EPS)
+        lp = kernels.processed_logprobs(logits, temp, k, p)
+        token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        finite = torch.isfinite(token_lp).all()
+    checks = getattr(sampler, "_rz_finite", None)
+    if checks is None:
+        checks = sampler._rz_finite = _FiniteChecks()
+    checks.push(finite)
+    _trace(logits, token_lp)
+    return sampled, lp
+
+
+def aligned_v2_call(sampler, logits: torch.Tensor, input_batch):
+    """The V2 ``Sampler.__call__`` of an aligned engine (see above)."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    idx = input_batch.expanded_idx_mapping
+    idx_np = input_batch.idx_mapping_np
+    _refuse_unsupported_v2(sampler, idx_np)
+    pos = input_batch.positions[input_batch.logits_indices]
+    sampled, lp = aligned_v2_sample(sampler, logits, idx, idx_np, pos)
+    logprobs = None
+    if sampler.returns_logprobs(idx_np):
+        n = sampler.sampling_states.max_num_logprobs(idx_np)
+        expanded = logits.shape[0] != idx_np.shape[0]
+        # logits mode: gather and rank our processed logprobs as they are (no second log-softmax)
+        logprobs = compute_topk_scores(lp, 0 if n == NO_LOGPROBS else n, sampled,
+                                       input_batch.cu_num_logits_np.tolist() if expanded else None,
+                                       logits_mode=True)
+    num_sampled, num_rejected = get_num_sampled_and_rejected(
+        input_batch.seq_lens.new_ones(input_batch.num_reqs), input_batch.seq_lens, input_batch.cu_num_logits,
+        input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
+    return SamplerOutput(sampled_token_ids=sampled.view(-1, 1), logprobs_tensors=logprobs, num_nans=None,
+                         num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def apply_v2() -> None:
+    """Patch the V2 runner's Sampler (idempotent; CUDA vLLM 0.26 only, else nothing). As for V1, a
+    Sampler is aligned iff RZ_ALIGNED_SAMPLER=1 in its process's environment at construction."""
+    try:
+        import vllm
+        from vllm.v1.worker.gpu.sample import sampler as m
+    except Exception:
+        return
+    if not getattr(vllm, "__version__", "").startswith(PATCHED_V2_FOR):
+        return
+    cls = m.Sampler
+    if getattr(cls.__call__, "_rz_patched", False):
+        return
+    orig_init, orig_call = cls.__init__, cls.__call__
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self._rz_aligned = os.environ.get(ENV) == "1"
+
+    def __call__(self, logits, input_batch):
+        if not getattr(self, "_rz_aligned", False) or self.logprobs_mode != "processed_logprobs":
+            return orig_call(self, logits, input_batch)
+        return aligned_v2_call(self, logits, input_batch)
+
+    __init__._rz_patched = True
+    __call__._rz_patched = True
+    cls.__init__ = __init__
+    cls.__call__ = __call__
 
 
 def is_aligned(sampler) -> bool:

