@@ -438,7 +438,9 @@ def aligned_v2_sample(sampler, logits: torch.Tensor, idx: torch.Tensor, idx_np, 
     logits = logits.to(torch.float32)
     t_raw = st.temperature.gpu[idx]
     temp = torch.where(t_raw < _SAMPLING_EPS, torch.ones_like(t_raw), t_raw)  # greedy rows: logprobs at T = 1
-    keys = torch.stack([st.seeds.gpu[idx].to(torch.int64), pos.to(torch.int64)], dim=1)
+    # key (seed, position): V2 holds every request's seed on the device (masked to 63 bits as the
+    # V1 path's keys); the token's position counts its draws
+    keys = torch.stack([st.seeds.gpu[idx].to(torch.int64) & _SEED_MASK, pos.to(torch.int64)], dim=1)
     top_k, top_p = st.get_top_k_top_p(idx, idx_np)
     _check_pending(sampler)
     if top_k is None and top_p is None and kernels.row_temperature_supported(logits):
