@@ -264,7 +264,8 @@ def _flat_segments(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, N, K, stride_x
         k_lo = s * SEG_LEN
         k_hi = k_lo + SEG_LEN
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):
+        for kk in range(0, SEG_LEN, BLOCK_K):  # bounds independent of s: a loop nest the compiler can flatten
+            k = k_lo + kk
             if TMA:
                 a = x_desc.load([off_m, k])
                 b = w_desc.load([off_n, k])
