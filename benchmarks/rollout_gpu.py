@@ -5,17 +5,20 @@
     python benchmarks/rollout_gpu.py bench --ckpt /root/ckpt/moe1b --out $OUT/bench_moe1b.json \
         --cells 256x64x128,32x64x128,1x64x128 --rounds 3
     python benchmarks/rollout_gpu.py profile --ckpt /root/ckpt/moe1b --out $OUT/profile.json --cells 1x64x64
+    python benchmarks/rollout_gpu.py compare --parts $OUT/b.stock.json $OUT/b.aligned.json --out $OUT/b.json
 
 ``ckpt`` writes a Hugging Face checkpoint with random bf16 weights (no tokenizer: the engines run
-with ``skip_tokenizer_init``) of one of ``CONFIGS``. ``check`` runs the project's RolloutEngine
-(aligned: our model class, CUDA graphs for decode; stock: vLLM's own class, CUDA graphs + compile)
-and measures, with ``torch.equal``: batch invariance (8 prompts of 256 tokens alone vs inside a
-batch of 64), decode == prefill (the generated tokens re-scored by a prefill), learner parity
-(``reference_logprobs`` on the GPU, the kernels the Megatron learner calls), and the same after an
-in-place weight update. ``bench`` times ``LLM.generate`` of stock and aligned engines that live side
-by side in this process, alternating rounds, same checkpoint, same prompts, ``ignore_eos``, and
-reports tok/s and aligned/stock per cell (batch x prompt len x new tokens). Needs CUDA vLLM
-(docs/gpu.md).
+with ``skip_tokenizer_init``) of one of ``CONFIGS``; the DeepSeek-V4 ones (``dsv4_*``) in DeepSeek's
+own layout, their linears block-FP8 with scales as stock vLLM's V4 needs (``--form bf16``: the
+dequantised weights instead; the aligned engine reads either, docs/gpu.md "Stock DeepSeek-V4").
+``check`` runs the project's RolloutEngine (aligned: our model class, CUDA graphs for decode; stock:
+vLLM's own class, CUDA graphs + compile) and measures, with ``torch.equal``: batch invariance (8
+prompts of 256 tokens alone vs inside a batch of 64), decode == prefill (the generated tokens
+re-scored by a prefill), learner parity (``reference_logprobs`` on the GPU, the kernels the Megatron
+learner calls), and the same after an in-place weight update. ``bench`` times ``LLM.generate`` of
+stock and aligned engines that live side by side in this process, alternating rounds, same
+checkpoint, same prompts, ``ignore_eos``, and reports tok/s and aligned/stock per cell (batch x
+prompt len x new tokens). Needs CUDA vLLM (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -58,7 +61,31 @@ CONFIGS = {
     "qwen2_1p5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
                        intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        vocab_size=151936, rope_theta=10000.0, use_sliding_window=False),
+    # DeepSeek-V4-Flash's per-layer shapes (DeepSeek-V4-Flash-Base config; recipes/deepseek_v4_flash.yaml):
+    # hidden 4096, 64 query heads over one shared 512-wide KV head (rope 64, q_lora 1024), grouped
+    # output 8 x 1024, lightning indexer 64 x 128 keeping 512 entries, window 128, hyper-connections x4,
+    # 256 routed experts of 2048 top-6 (sqrt-softplus, noaux_tc bias) + 1 shared, SwiGLU clamp 10,
+    # vocab 129280; few layers, mixing compressed sparse x4 and heavily compressed x128 layers (the real
+    # model: 20 x4 and 23 x128, the first 3 hash-routed). Each layer's 256 experts are 6.4B parameters:
+    # dsv4_2l is 14.2B (15.3 GB on disk in the FP8 form; the aligned engine holds 28.5 GB of bf16),
+    # dsv4_4l 27.4B (28.5 GB FP8; 54.8 GB bf16 in the aligned engine: on an 80 GB H100 give --mem-gb <= 8).
+    "dsv4_2l": dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", compress_ratios=[4, 128],
+                    num_hidden_layers=2, num_hash_layers=1),
+    "dsv4_4l": dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", compress_ratios=[128, 4, 128, 4],
+                    num_hidden_layers=4, num_hash_layers=1),
 }
+# what both DeepSeek-V4 configs share (DeepSeek's config.json names, the ones vLLM's V4 class reads)
+DSV4_FLASH = dict(hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64,
+                  q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, num_experts_per_tok=6,
+                  n_shared_experts=1, moe_intermediate_size=2048, routed_scaling_factor=1.5, norm_topk_prob=True,
+                  scoring_func="sqrtsoftplus", topk_method="noaux_tc", swiglu_limit=10.0, hidden_act="silu",
+                  hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, index_n_heads=64, index_head_dim=128, index_topk=512,
+                  sliding_window=128, rope_theta=10000.0, compress_rope_theta=160000.0, num_nextn_predict_layers=0,
+                  vocab_size=129280)
+for _c in CONFIGS.values():
+    if _c["model_type"] == "deepseek_v4":
+        for _k, _v in DSV4_FLASH.items():
+            _c.setdefault(_k, _v)
 COMMON = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False,
               torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, attention_bias=False)
 
@@ -113,11 +140,15 @@ def param_shapes(c: dict) -> dict:
     return s
 
 
-def make_ckpt(name: str, out: str, seed: int = 0) -> dict:
-    """Random bf16 weights (std 0.02; norms 1; router bias 0) + config.json; returns the config."""
+def make_ckpt(name: str, out: str, seed: int = 0, *, form: str = "fp8", overrides: dict | None = None,
+              device: str | None = None) -> dict:
+    """Random bf16 weights (std 0.02; norms 1; router bias 0) + config.json; returns the config.
+    DeepSeek-V4 configs: :func:`make_v4_ckpt` (``form``; ``overrides``: config fields, e.g. shrunk dims)."""
     from safetensors.torch import save_file
 
-    c = {**COMMON, **CONFIGS[name]}
+    c = {**COMMON, **CONFIGS[name], **(overrides or {})}
+    if c["model_type"] == "deepseek_v4":
+        return make_v4_ckpt(c, out, seed, form=form, device=device)
     if c["model_type"] == "qwen2":
         c.pop("attention_bias")
     os.makedirs(out, exist_ok=True)
@@ -150,6 +181,124 @@ def make_ckpt(name: str, out: str, seed: int = 0) -> dict:
     return c
 
 
+# The block-FP8 layout of DeepSeek's V4 checkpoints (config.json "quantization_config"; vLLM 0.26 reads
+# it as its deepseek_v4_fp8 method, models/deepseek_v4/quant_config.py). expert_dtype "fp8" (as in
+# DeepSeek-V4-Flash-Base): routed experts in block FP8 with float32 scales, not DeepSeek-V4-Flash's
+# MXFP4 experts.
+DSV4_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                     "weight_block_size": [128, 128]}
+FP8_BLOCK = 128
+
+
+def quantize_pow2_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w[N, K]`` -> ``(e4m3 [N, K], fp32 scales [ceil(N/128), ceil(K/128)])`` with each block's scale
+    the smallest power of two >= amax / 448 (UE8M0-representable), so ``e4m3 * scale`` is exact in
+    bf16: stock (FP8 GEMMs) and the aligned engine (dequantised bf16 weights) hold the same values."""
+    N, K = w.shape
+    B = FP8_BLOCK
+    nb, kb = -(-N // B), -(-K // B)
+    w32 = torch.nn.functional.pad(w.to(torch.float32), (0, kb * B - K, 0, nb * B - N))
+    amax = w32.abs().view(nb, B, kb, B).amax(dim=(1, 3)).clamp(min=2.0 ** -100)
+    m, e = torch.frexp(amax / 448.0)  # amax / 448 = m * 2**e, m in [0.5, 1)
+    scale = torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e))
+    q = (w32.view(nb, B, kb, B) / scale[:, None, :, None]).clamp(-448.0, 448.0)
+    return q.view(nb * B, kb * B)[:N, :K].to(torch.float8_e4m3fn), scale
+
+
+def v4_tensor_specs(c: dict) -> dict:
+    """name -> (shape, dtype, fp8?) of a DeepSeek-V4 checkpoint of config ``c`` in DeepSeek's layout: the
+    aligned reference's own names and shapes (kernels.models.dsv4.parameter_shapes); model-dtype
+    linears of kernels.models.dsv4.FP8_LINEARS are the block-FP8 ones (weight + ".scale"), which are
+    also the ones stock vLLM's V4 builds with its FP8 method (the compressors, the indexer's
+    weights_proj, the router gate, embedding and head stay bf16)."""
+    from kernels.models import dsv4 as R
+
+    cv = R.v4_config(c)
+    kinds = {"model": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64}
+    out = {}
+    for name, (shape, kind) in R.parameter_shapes(cv).items():
+        rel = name.split(".", 2)[2] if name.startswith("layers.") else name
+        out[name] = (tuple(shape), kinds[kind], kind == "model" and bool(R.FP8_LINEARS.match(rel)))
+    return out
+
+
+def _v4_value(name: str, shape: tuple, dtype: torch.dtype, c: dict, g: torch.Generator, dev: str) -> torch.Tensor:
+    """One random tensor: matrices N(0, 0.02); norm weights and hyper-connection scales 1; sinks, router
+    biases and hyper-connection biases 0; the hash-routing table a random choice of top_k distinct
+    experts per token id."""
+    if dtype == torch.int64:  # layers.N.ffn.gate.tid2eid [vocab, top_k]
+        r = torch.rand(shape[0], c["n_routed_experts"], generator=g, device=dev)
+        return r.argsort(dim=1)[:, : shape[1]].contiguous()
+    if name.endswith("norm.weight") or name.endswith("_scale"):
+        return torch.ones(shape, dtype=dtype, device=dev)
+    if name.endswith("attn_sink") or name.endswith("gate.bias") or name.endswith("_base"):
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    return (torch.randn(shape, generator=g, device=dev) * 0.02).to(dtype)
+
+
+def make_v4_ckpt(c: dict, out: str, seed: int = 0, *, form: str = "fp8", device: str | None = None,
+                 shard_bytes: float = 2e9) -> dict:
+    """A random DeepSeek-V4 checkpoint of config ``c`` (DeepSeek's config.json names) in DeepSeek's
+    tensor layout, streamed to ~2 GB shards + index: ``form="fp8"`` writes the FP8 linears as e4m3
+    ``X.weight`` + fp32 ``X.scale`` (power-of-two scales, :func:`quantize_pow2_blockwise`) and declares
+    ``quantization_config`` / ``expert_dtype`` as DeepSeek's FP8 release does (what stock vLLM 0.26's V4
+    needs); ``form="bf16"`` writes those weights dequantised (the same values, bitwise) and no
+    quantisation. The same seed draws the same values in both forms."""
+    from safetensors.torch import save_file
+
+    if form not in ("fp8", "bf16"):
+        raise ValueError(f"form={form!r}: expected 'fp8' or 'bf16'")
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    c = dict(c)
+    if form == "fp8":
+        c.update(quantization_config=dict(DSV4_QUANTIZATION), expert_dtype="fp8")
+    else:
+        c.pop("quantization_config", None)
+    os.makedirs(out, exist_ok=True)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    shard, weight_map, size, nfile, nparam, nbytes = {}, {}, 0, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, nfile
+        if shard:
+            f = f"model-{nfile:05d}.safetensors"
+            save_file(shard, os.path.join(out, f), metadata={"format": "pt"})
+            weight_map.update({n: f for n in shard})
+            shard, size, nfile = {}, 0, nfile + 1
+
+    def add(n, t):
+        nonlocal size, nbytes
+        shard[n] = t.cpu()
+        size += t.numel() * t.element_size()
+        nbytes += t.numel() * t.element_size()
+        if size > shard_bytes:
+            flush()
+
+    for name, (shape, dtype, fp8) in v4_tensor_specs(c).items():
+        t = _v4_value(name, shape, dtype, c, g, dev)
+        nparam += t.numel()
+        if fp8:
+            q, s = quantize_pow2_blockwise(t)
+            if form == "fp8":
+                add(name, q)
+                add(name[: -len(".weight")] + ".scale", s)
+            else:
+                from kernels.models.dsv4 import dequantize_block_fp8
+
+                add(name, dequantize_block_fp8(q, s, torch.bfloat16))
+        else:
+            add(name, t)
+    flush()
+    json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map},
+              open(os.path.join(out, "model.safetensors.index.json"), "w"), indent=1)
+    json.dump(c, open(os.path.join(out, "config.json"), "w"), indent=1)
+    json.dump({"bos_token_id": c.get("bos_token_id", 0), "eos_token_id": c.get("eos_token_id", 1)},
+              open(os.path.join(out, "generation_config.json"), "w"))
+    print(f"ckpt deepseek_v4 ({form}): {nparam / 1e9:.3f}B params, {nbytes / 1e9:.2f} GB in {nfile} files -> {out}",
+          flush=True)
+    return c
+
+
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
@@ -158,9 +307,11 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def _engine(ckpt: str, aligned: bool, *, mem_gb: float, max_len: int, max_seqs: int = 256, eager: bool = False):
     from vllm_bridge.engine import RolloutEngine
 
+    # RZ_BENCH_FP8=blockwise (engine kind aligned_fp8): the aligned class's own blockwise-FP8 linears
+    fp8 = os.environ.get("RZ_BENCH_FP8") if aligned else None
     return RolloutEngine(ckpt, aligned=aligned, dtype="bfloat16", kv_cache_gb=mem_gb, max_model_len=max_len,
                          max_num_seqs=max_seqs, enforce_eager=eager, skip_tokenizer_init=True,
-                         max_num_batched_tokens=8192, gpu_memory_utilization=0.4)
+                         max_num_batched_tokens=8192, gpu_memory_utilization=0.4, fp8=fp8)
 
 
 def check(ckpt: str, out: str, *, which=("aligned", "stock")) -> dict:
@@ -244,6 +395,9 @@ ENGINE_KINDS = {
     # the aligned class on vLLM's V2 GPU model runner (stock's default for dense models; the sampler
     # patch's V2 half, vllm_bridge.sampler_patch.apply_v2)
     "aligned_v2": (True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    # the aligned class with its blockwise-FP8 linears (e4m3 weights quantised by the engine at load,
+    # 1x128 activation groups): the FP8 GEMMs stock's DeepSeek-V4 runs, on the aligned side
+    "aligned_fp8": (True, {"RZ_BENCH_FP8": "blockwise"}),
 }
 
 
@@ -472,6 +626,8 @@ def main(argv=None) -> int:
     a = sub.add_parser("ckpt")
     a.add_argument("--config", choices=sorted(CONFIGS), required=True)
     a.add_argument("--out", required=True)
+    a.add_argument("--form", default="fp8", choices=("fp8", "bf16"),
+                   help="DeepSeek-V4 configs: block-FP8 linears with scales (stock needs it) or bf16")
     b = sub.add_parser("check")
     b.add_argument("--ckpt", required=True)
     b.add_argument("--out", required=True)
@@ -488,6 +644,9 @@ def main(argv=None) -> int:
             c.add_argument("--engines", default="stock,aligned", help=f"comma list of {sorted(ENGINE_KINDS)}")
         else:
             c.add_argument("--engine", choices=sorted(ENGINE_KINDS), required=True)
+    e = sub.add_parser("compare", help="bench-one results of separate calls side by side (as bench writes)")
+    e.add_argument("--parts", nargs="+", required=True)
+    e.add_argument("--out", required=True)
     d = sub.add_parser("profile")
     d.add_argument("--ckpt", required=True)
     d.add_argument("--out", required=True)
@@ -503,9 +662,16 @@ def main(argv=None) -> int:
         return 2
     cells = [tuple(int(x) for x in c.split("x")) for c in getattr(args, "cells", "").split(",") if c]
     if args.cmd == "ckpt":
-        make_ckpt(args.config, args.out)
+        make_ckpt(args.config, args.out, form=args.form)
     elif args.cmd == "check":
         check(args.ckpt, args.out, which=tuple(args.engines.split(",")))
+    elif args.cmd == "compare":
+        res = compare([json.load(open(p)) for p in args.parts])
+        res["command"] = " ".join(sys.argv)
+        json.dump(res, open(args.out, "w"), indent=1)
+        for row in res["cells"]:
+            print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+        print("summary", json.dumps(res["summary"]), flush=True)
     elif args.cmd == "profile":
         profile(args.ckpt, args.out, cells, args.engine, args.seeded == "on", args.max_len)
     else:

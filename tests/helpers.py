@@ -142,6 +142,14 @@ V4_SMALL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.head_d
             "rollout.dtype=float32", "mode=aligned"]
 
 
+# benchmarks/rollout_gpu.py's dsv4_4l (DeepSeek-V4-Flash per-layer shapes) with every width shrunk, for
+# its checkpoint generator on the CPU: hidden 128 and experts of 128 keep whole 128 x 128 FP8 blocks,
+# the attention widths partial ones
+DSV4_TINY = dict(hidden_size=128, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
+                 o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, index_n_heads=16,
+                 index_head_dim=16, index_topk=3, sliding_window=16, vocab_size=96, max_position_embeddings=512)
+
+
 def v4_draw(name, v, g):
     """:func:`redraw`'s DeepSeek-V4 rule: every float tensor redrawn, 0.3 for vectors, 0.15 for
     matrices (a random V4 checkpoint's own scales leave its routing and compressors degenerate)."""

@@ -360,6 +360,11 @@ class RolloutEngine:
         if aligned:
             # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}
+            if _is_deepseek_v4(self.model_dir) and _config(self.model_dir).get("quantization_config"):
+                # DeepSeek's FP8 form (e4m3 weights + ".scale", stock's V4 layout): the aligned class
+                # dequantises it while loading (kernels.models.dsv4.dequantized_weights); vLLM's own
+                # FP8 method must not claim its layers
+                kwargs["hf_overrides"]["quantization_config"] = None
             if fp8 is not None:
                 kwargs["hf_overrides"]["rz_fp8"] = self.fp8
             # The sampler computes the processed logprob with kernels.sampling, the learner's
@@ -393,6 +398,12 @@ class RolloutEngine:
                 dsv4_env, dsv4_kwargs = _stock_deepseek_v4_cpu_settings(dtype)
                 env.update(dsv4_env)
                 kwargs.update(dsv4_kwargs)
+            else:
+                # CUDA vLLM 0.26: its FlashMLA V4 attention stores the fp8_ds_mla format only and
+                # asserts an fp8 KV-cache dtype ("auto" stays "auto" for a block-FP8 checkpoint:
+                # models/deepseek_v4/attention.py, _resolve_dsv4_kv_cache_dtype); "fp8" is rewritten
+                # to fp8_ds_mla there
+                kwargs["kv_cache_dtype"] = "fp8"
         kwargs.update(engine_kwargs)
         pp = int(kwargs.get("pipeline_parallel_size") or 1)
         if pp > 1 and aligned and kwargs["hf_overrides"]["architectures"][0] not in PP_ALIGNED_ARCHITECTURES:

@@ -32,7 +32,8 @@ import torch
 import kernels
 
 from . import dsv4_cache
-from .qwen3_dsv3 import FP8_CONFIG_KEY, FP8_SUFFIX, FP8WeightCache, load_state_dict
+from .qwen3_dsv3 import FP8_CONFIG_KEY, FP8_SUFFIX, FP8WeightCache
+from .qwen3_dsv3 import load_state_dict as _load_tensors
 from .trace import tap
 
 Getter = Callable[[str], torch.Tensor]
@@ -319,6 +320,80 @@ def add_parameter_tree(root, shapes: dict, make, prefix: str = "", skip: tuple[s
             mod.register_parameter(leaf, t)
         else:
             mod.register_buffer(leaf, t)
+
+
+# --------------------------------------------------------------------------------------------------
+# The FP8 form of a checkpoint
+# --------------------------------------------------------------------------------------------------
+
+# DeepSeek ships V4 with block-FP8 linears: ``X.weight`` in e4m3 and ``X.scale`` beside it, one
+# dequantisation factor per 128 x 128 block (float32, or e8m0 in the FP4-expert release), and stock
+# vLLM's V4 class needs that form on CUDA (its wo_a runs DeepGEMM's FP8 einsum). The aligned classes,
+# the learner and the reference hold the weights in the model dtype: they take such a checkpoint
+# through :func:`dequantized_weights` (``X.weight = e4m3 * scale``, one fp32 product per element, exact
+# for power-of-two scales). The FP4 experts of DeepSeek-V4-Flash (packed int8) are not read.
+CKPT_SCALE_SUFFIX = ".scale"
+_CKPT_FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_block_fp8(wq: torch.Tensor, ws: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``wq[N, K]`` e4m3 times its ``ws[ceil(N/128), ceil(K/128)]`` block scales, in fp32 (or ``dtype``)."""
+    from kernels.fp8 import BLOCK as B, dequantize_weight_blockwise
+
+    N, K = wq.shape
+    if tuple(ws.shape) != (-(-N // B), -(-K // B)):
+        raise ValueError(f"FP8 weight {tuple(wq.shape)} has scales {tuple(ws.shape)}; expected one per "
+                         f"{B} x {B} block: {(-(-N // B), -(-K // B))}")
+    ws = ws.to(torch.float32)
+    if N % B == 0 and K % B == 0:  # one broadcast multiply: the same products as the general form
+        w = (wq.to(torch.float32).view(N // B, B, K // B, B) * ws[:, None, :, None]).view(N, K)
+    else:
+        w = dequantize_weight_blockwise(wq, ws)
+    return w if dtype is None else w.to(dtype)
+
+
+def dequantized_weights(items, dtype: Optional[torch.dtype] = None, device=None):
+    """``(name, tensor)`` pairs with each e4m3 ``X.weight`` and its ``X.scale`` (either order, anywhere in
+    the stream) replaced by one dequantised ``X.weight`` (fp32, or ``dtype``; computed on ``device`` when
+    given); everything else passes through unchanged. A weight without its scale, or a scale without
+    an e4m3 weight, is an error once the stream ends."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+
+    def deq(base: str, wq: torch.Tensor, ws: torch.Tensor):
+        if device is not None:
+            wq, ws = wq.to(device), ws.to(device)
+        return base + ".weight", dequantize_block_fp8(wq, ws, dtype)
+
+    for name, t in items:
+        if name.endswith(".weight") and t.dtype in _CKPT_FP8_DTYPES:
+            base = name[: -len(".weight")]
+            if base in scales:
+                yield deq(base, t, scales.pop(base))
+            else:
+                weights[base] = t
+        elif name.endswith(CKPT_SCALE_SUFFIX):
+            base = name[: -len(CKPT_SCALE_SUFFIX)]
+            if base in weights:
+                yield deq(base, weights.pop(base), t)
+            else:
+                scales[base] = t
+        else:
+            yield name, t
+    if weights or scales:
+        raise ValueError(f"FP8 checkpoint: {len(weights)} e4m3 weights without a {CKPT_SCALE_SUFFIX!r} "
+                         f"(e.g. {sorted(weights)[:2]}), {len(scales)} scales without an e4m3 weight "
+                         f"(e.g. {sorted(scales)[:2]})")
+
+
+def load_state_dict(hf_dir_or_state_dict) -> dict:
+    """The checkpoint's tensors by original name (cloned), an FP8-form checkpoint dequantised to the
+    dtype of its unquantised weights (``embed.weight``'s; fp32 without one)."""
+    sd = _load_tensors(hf_dir_or_state_dict)
+    if not any(k.endswith(CKPT_SCALE_SUFFIX) for k in sd):
+        return sd
+    dtype = sd["embed.weight"].dtype if "embed.weight" in sd else torch.float32
+    return dict(dequantized_weights(sd.items(), dtype))
 
 
 # --------------------------------------------------------------------------------------------------

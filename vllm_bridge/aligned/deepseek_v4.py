@@ -283,5 +283,10 @@ class RZAlignedDeepseekV4ForCausalLM(nn.Module):
             logits = logits * self.logits_processor.scale
         return logits
 
-    # Name-for-name load through each parameter's weight_loader, as the other aligned classes.
-    load_weights = RZAlignedForCausalLM.load_weights
+    # Name-for-name load through each parameter's weight_loader, as the other aligned classes. A
+    # checkpoint in DeepSeek's FP8 form (e4m3 ``X.weight`` + ``X.scale``, what stock vLLM's V4 needs
+    # on CUDA) is dequantised on the parameters' device as it streams in
+    # (:func:`kernels.models.dsv4.dequantized_weights`); a model-dtype checkpoint passes unchanged.
+    def load_weights(self, weights):
+        device = self.embed.weight.device
+        return RZAlignedForCausalLM.load_weights(self, R.dequantized_weights(weights, device=device))
