@@ -2,7 +2,7 @@
 its own process.
 
     python benchmarks/learner_gpu.py bench --out $OUT/learner.json [--configs gpu_moe,qwen2_1p5b]
-        [--modes aligned,fast] [--rounds 2] [--steps 5] [--budget-s 900] [--profile-dir $OUT/prof]
+        [--modes aligned,fast_te,fast_local] [--rounds 2] [--steps 5] [--budget-s 900] [--profile-dir $OUT/prof]
     python benchmarks/learner_gpu.py one --config gpu_moe --mode aligned --out x.json [--profile p.txt]
 
 One *train step* is what ``rz train`` runs per update: ``Learner.train_step`` on ``batch`` sequences of
@@ -10,14 +10,19 @@ One *train step* is what ``rz train`` runs per update: ``Learner.train_step`` on
 the bf16 mixed-precision Adam step with grad clipping), the REINFORCE surrogate of
 ``parallel_check.reinforce_loss``. Weights: random bf16 Hugging Face tensors (std 0.02, norms 1, a
 fixed seed), loaded by both modes. ``aligned`` = ``mode=aligned`` (every forward op a ``kernels`` op,
-bitwise the rollout engine's); ``fast`` = ``mode=fast`` (Megatron-Core's local layer spec with the
-project's stock-numerics RMSNorm / attention, SequentialMLP experts: what ``rz train ... mode=fast``
-runs; Transformer Engine is not on this machine).
+bitwise the rollout engine's); ``fast_te`` = ``mode=fast runtime.te=on`` (Megatron-Core's Transformer
+Engine layer spec: TE linears with fused RMSNorm, TE attention, grouped-GEMM experts; what ``rz train
+... mode=fast`` runs where TE is installed, the baseline a Megatron user on Hopper has; it fails, and
+the JSON says why, where TE does not import); ``fast_local`` = ``mode=fast runtime.te=off``
+(Megatron-Core's local layer spec with the project's stock-numerics RMSNorm / attention, SequentialMLP
+experts); ``fast`` = ``mode=fast runtime.te=auto`` (whichever of the two this machine gives). Each
+run records the layers it built (``learner_spec``) and the TE version. The optimizer is torch's Adam
+in every mode (megatron_patches 2d).
 
 ``bench`` runs ``one`` in a fresh process per (config, mode, round), modes alternating within a round,
 and writes per config the median step time of each mode over all its timed steps, the spread of the
-per-round medians, and aligned / fast. Rounds stop starting when ``--budget-s`` has passed (the JSON
-says which ran). ``--profile-dir``: one extra profiled step per (config, mode) after the timed ones,
+per-round medians, and the ratios of the modes (aligned / fast_te, aligned / fast_local, fast_te /
+fast_local, ...). Rounds stop starting when ``--budget-s`` has passed (the JSON says which ran). ``--profile-dir``: one extra profiled step per (config, mode) after the timed ones,
 torch.profiler's table of CUDA time per op (forward and backward) as text.
 
 Configs (``CONFIGS``): gpu_moe (recipes/gpu_moe.yaml: the D3 runs' model and update), Qwen3-30B-A3B's
@@ -53,13 +58,17 @@ CONFIGS = {
     "qwen2_1p5b": ("recipes/r1_distill_qwen_1p5b.yaml", ["model.max_position_embeddings=4096", "rollout.max_new_tokens=1024"], 16, 1024, 4),
 }
 ONE_GPU = ["parallel.tp=1", "parallel.ep=1", "parallel.dp=1", "parallel.pp=1", "parallel.distributed_optimizer=false"]
+# benchmark mode -> (recipe mode, runtime.te)
+MODES = {"aligned": ("aligned", "off"), "fast_te": ("fast", "on"), "fast_local": ("fast", "off"),
+         "fast": ("fast", "auto")}
 
 
 def bench_recipe(name: str, mode: str):
     from megatron_rz.recipe import load_recipe
 
     path, overrides, *_ = CONFIGS[name]
-    return load_recipe(ROOT / path, list(overrides) + ONE_GPU + [f"mode={mode}", "algo.lr=1e-6"])
+    rmode, te = MODES[mode]
+    return load_recipe(ROOT / path, list(overrides) + ONE_GPU + [f"mode={rmode}", f"runtime.te={te}", "algo.lr=1e-6"])
 
 
 def random_hf_weights(model_cfg, seed: int = 0, device: str = "cuda") -> dict:
@@ -116,7 +125,7 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
     _, _, batch, seq, mbs = CONFIGS[name]
     r = bench_recipe(name, mode)
     t0 = time.perf_counter()
-    learner = Learner(r.model, r.parallel, r.algo, random_hf_weights(r.model), seed=0, mode=mode)
+    learner = Learner(r.model, r.parallel, r.algo, random_hf_weights(r.model), seed=0, mode=r.mode, te=r.runtime.te)
     build_s = time.perf_counter() - t0
     ids, rows = _batch(r.model.vocab_size, batch, seq)
 
@@ -136,7 +145,11 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
         s, out = step()
         times.append(s)
         grad_norms.append(out["grad_norm"])
-    res = {"config": name, "mode": mode, "batch": batch, "seq": seq, "micro_batch": mbs,
+    from megatron_rz.learner.te_spec import te_version
+
+    res = {"config": name, "mode": mode, "learner_spec": learner.spec,
+           "transformer_engine": te_version() if learner.spec == "te" else None, "batch": batch, "seq": seq,
+           "micro_batch": mbs,
            "params": sum(p.numel() for p in learner.model.parameters()), "build_s": build_s, "first_step_s": first_s,
            "step_s": times, "median_s": statistics.median(times), "grad_norm": grad_norms,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "grouped_mm": dict(moe_grad.GROUPED_MM) if moe_grad else None,
@@ -168,6 +181,9 @@ def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: in
                 if time.time() - t_start > budget_s:
                     report["skipped"].append(f"{name}/{mode}/round{rnd}")
                     continue
+                if any("runtime.te=on" in r.get("error", "") for r in runs[mode]):  # no TE here: once is enough
+                    report["skipped"].append(f"{name}/{mode}/round{rnd} (Transformer Engine cannot run here)")
+                    continue
                 tmp = outp.parent / f".{name}_{mode}_{rnd}.json"
                 cmd = [sys.executable, __file__, "one", "--config", name, "--mode", mode, "--steps", str(steps),
                        "--out", str(tmp)]
@@ -188,17 +204,20 @@ def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: in
             if rs:
                 all_steps = [s for r in rs for s in r["step_s"]]
                 meds = [r["median_s"] for r in rs]
-                entry[m] = {"median_s": statistics.median(all_steps), "round_medians_s": meds,
+                entry[m] = {"learner_spec": rs[0].get("learner_spec"), "transformer_engine": rs[0].get("transformer_engine"),
+                            "median_s": statistics.median(all_steps), "round_medians_s": meds,
                             "spread": max(meds) / min(meds), "peak_gib": max(r["peak_gib"] for r in rs)}
-        if "aligned" in entry and "fast" in entry:
-            entry["aligned_over_fast"] = entry["aligned"]["median_s"] / entry["fast"]["median_s"]
+        timed = [m for m in modes if m in entry]
+        for i, a in enumerate(timed):  # every pair, in the order of --modes: aligned_over_fast_te, ...
+            for b in timed[i + 1:]:
+                entry[f"{a}_over_{b}"] = entry[a]["median_s"] / entry[b]["median_s"]
         report["configs"][name] = entry
         outp.write_text(json.dumps(report, indent=1) + "\n")
     report["wall_s"] = time.time() - t_start
     outp.write_text(json.dumps(report, indent=1) + "\n")
     for name, e in report["configs"].items():
-        print(f"{name}: " + ", ".join(f"{m} {e[m]['median_s']:.3f} s" for m in modes if m in e)
-              + (f", aligned/fast {e['aligned_over_fast']:.2f}" if "aligned_over_fast" in e else ""))
+        ratios = "".join(f", {k.replace('_over_', '/')} {v:.2f}" for k, v in e.items() if "_over_" in k)
+        print(f"{name}: " + ", ".join(f"{m} {e[m]['median_s']:.3f} s" for m in modes if m in e) + ratios)
     return report
 
 
@@ -208,14 +227,14 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench")
     b.add_argument("--out", required=True)
     b.add_argument("--configs", default=",".join(CONFIGS))
-    b.add_argument("--modes", default="aligned,fast")
+    b.add_argument("--modes", default="aligned,fast_te,fast_local", help=f"some of {', '.join(MODES)}")
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--steps", type=int, default=5)
     b.add_argument("--budget-s", type=float, default=900.0)
     b.add_argument("--profile-dir")
     o = sub.add_parser("one")
     o.add_argument("--config", choices=sorted(CONFIGS), required=True)
-    o.add_argument("--mode", choices=("aligned", "fast"), required=True)
+    o.add_argument("--mode", choices=tuple(MODES), required=True)
     o.add_argument("--steps", type=int, default=5)
     o.add_argument("--out", required=True)
     o.add_argument("--profile")
@@ -227,6 +246,9 @@ def main(argv=None) -> int:
     bad = [c for c in a.configs.split(",") if c not in CONFIGS]
     if bad:
         raise SystemExit(f"learner_gpu: --configs {bad[0]!r}: expected some of {', '.join(CONFIGS)}")
+    bad = [m for m in a.modes.split(",") if m not in MODES]
+    if bad:
+        raise SystemExit(f"learner_gpu: --modes {bad[0]!r}: expected some of {', '.join(MODES)}")
     bench(a.out, a.configs.split(","), a.modes.split(","), a.rounds, a.steps, a.budget_s, a.profile_dir)
     return 0
 

@@ -57,6 +57,7 @@ def _print_summary(summary: dict) -> None:
         t.add_row("policy lag mean / max", f"{fmt(summary.get('lag_mean'))} / {fmt(summary.get('lag_max'))}")
     for k, v in summary["time_per_step"].items():
         t.add_row(f"time/step {k} (s)", f"{v:.3f}")
+    t.add_row("learner layers", str(summary.get("learner_spec")))
     t.add_row("run dir", summary["run_dir"])
     Console().print(t)
 
@@ -136,6 +137,15 @@ def _load(args):
         why = None if torch.cuda.is_available() else stock_deepseek_v4_cpu_refusal()
         if why:
             raise RecipeError(why)
+    # TE layers asked for (a fast learner; `rz bench step/async` run a fast leg whatever the mode):
+    # refused here, before any warm start or engine, where Transformer Engine cannot run
+    if recipe.runtime.te == "on" and (recipe.mode == "fast" or getattr(args, "cmd", None) == "bench") \
+            and family(recipe.model.arch).learner is None:
+        from megatron_rz.learner.te_spec import te_on_refusal, te_unavailable
+
+        why = te_unavailable()
+        if why:
+            raise RecipeError(te_on_refusal(why))
     if recipe.rollout.weight_transport in ("nccl", "ipc") and recipe.rollout.where == "local":  # GPU only
         import torch
 

@@ -516,6 +516,18 @@ class RuntimeConfig(_Strict):
     # false: the torch reference code. Read once per process, at the first kernel call.
     native_cpu_kernels: bool = True
     vllm_patches: bool = True  # false: vLLM without vllm_bridge/vllm_patches.py's fixes (diagnosis only)
+    # The fast learner's layers (mode=fast; aligned mode builds its own whatever this says):
+    # auto: Megatron's Transformer Engine spec where transformer_engine.pytorch imports on a CUDA
+    # machine, else its local spec; on: the TE spec, refused before anything starts where TE cannot
+    # run; off: the local spec. Which one ran: `learner_spec` in summary.json / check.json
+    # (megatron_rz/learner/te_spec.py, docs/gpu.md "Transformer Engine").
+    te: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("te", mode="before")
+    @classmethod
+    def _te_yaml_bool(cls, v):
+        # YAML 1.1 reads a bare on / off (also yes / no, true / false) as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class Recipe(_Strict):
@@ -586,6 +598,10 @@ class Recipe(_Strict):
                 f"rollout.dtype={self.rollout.dtype} differs from model.dtype={m.dtype}: aligned mode computes "
                 "the same numbers on both sides, so it needs one dtype; drop rollout.dtype or use mode=fast"
             )
+        if self.mode == "fast" and self.runtime.te == "on" and family(m.arch).learner is not None:
+            raise ValueError(
+                f"runtime.te=on: model.arch={m.arch} has its own learner, not Megatron's layer specs, so there "
+                "are no Transformer Engine layers to build; set runtime.te=auto or off")
         if m.fp8 != "none" and self.mode != "aligned":
             raise ValueError(
                 f"model.fp8={m.fp8} runs in the aligned model classes on both sides (the stock vLLM and "

@@ -8,6 +8,7 @@ The recipe fields (megatron_rz.recipe) and where they go:
 | `runtime.gemm_small_tiles` | `kernels.set_gemm_small_tiles` | `RZ_GEMM_SMALL_TILES` (same) |
 | `runtime.native_cpu_kernels` | `RZ_KERNELS_NATIVE`, read by kernels/_native.py at the first kernel call | (same) |
 | `runtime.vllm_patches` | - | `RZ_VLLM_PATCHES`, read by vllm_bridge/vllm_patches.py in every vLLM process |
+| `runtime.te` | read by the Learner (megatron_rz.learner.te_spec.resolve_spec: the fast learner's layers); `on` where TE cannot run is refused by `rz train / check / bench` first | (every rank applies its recipe) |
 | `checkpoint.verify` | `megatron_rz.manifest.set_verify` | (every rank applies its recipe) |
 | `logging.verbose` | false: Megatron's import notices filtered | false: `VLLM_LOGGING_LEVEL=WARNING` unless set |
 | `parallel.collective_timeout_s` | read by `megatron_rz.learner.model.init_parallel` | (every rank applies its recipe) |

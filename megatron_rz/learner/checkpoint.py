@@ -12,7 +12,9 @@ data-parallel group, plus a BLAKE2b digest beside each file and, last, the `COMP
   exp_avg / exp_avg_sq per parameter in the parameter's sharding; the DistributedOptimizer
   (parallel.distributed_optimizer) uses Megatron's `fully_reshardable` format (fp32 main params and
   moments in model space, gathered over the data-parallel group with gloo on save), so both reshard;
-- common state (rank 0): step, version, the saving layout, world size and model config;
+- common state (rank 0): step, version, the saving layout, world size, model config and the
+  learner's layer spec (aligned / local / te: a Transformer Engine learner's names differ, so a
+  checkpoint loads only into a learner of a spec with the same names, te_spec.checkpoint_refusal);
 - the CPU RNG state of every rank (a ShardedObject per rank), restored when the layout is the same.
 
 So a run saved at one (tp, ep, dp) resumes at another: `load` builds the sharded state dict of
@@ -94,7 +96,8 @@ def save(learner, ckpt_dir, step: int) -> Path:
     state = _sharded_state(learner, loading=False)
     state["rng"] = _rng_object(world, rank)
     state["rz"] = {"format": FORMAT, "step": int(step), "version": int(learner.version), "layout": _layout(learner),
-                   "mode": learner.mode, "model": learner.model_cfg.model_dump()}
+                   "mode": learner.mode, "learner_spec": getattr(learner, "spec", None),
+                   "model": learner.model_cfg.model_dump()}
     dist_checkpointing.save(state, str(d), sharded_strategy=_save_strategy())
     mine = sorted(d.glob(f"__{rank}_*.distcp"))
     if rank == 0:
@@ -142,6 +145,11 @@ def load(learner, ckpt_dir) -> int:
         raise ValueError(f"checkpoint {d} holds a {'distributed' if saved.get('distributed_optimizer') else 'plain'} "
                          f"optimizer's state (parallel.distributed_optimizer={saved.get('distributed_optimizer', False)}); "
                          f"this learner has parallel.distributed_optimizer={mine['distributed_optimizer']}: set it back")
+    from megatron_rz.learner.te_spec import checkpoint_refusal
+
+    why = checkpoint_refusal(rz.get("learner_spec"), getattr(learner, "spec", "local"))
+    if why:  # the layer specs name (and shard) parameters differently
+        raise ValueError(f"checkpoint {d}: {why}")
     now = learner.model_cfg.model_dump()
     diff = [k for k in sorted(set(rz["model"]) & set(now)) if k != "pretrained" and rz["model"][k] != now[k]]
     if diff:

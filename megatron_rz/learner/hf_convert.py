@@ -17,6 +17,10 @@ ep_rank * experts_per_rank + local index). Layout facts encoded here:
 - MLA (DeepSeek-V3) projections keep HF's row order (per head [nope | rope] for q and
   [k_nope | v] for kv_b; kv_a = [latent | k_rope]); Megatron's MLA applies the same interleaved
   RoPE permutation HF does, so no row permutation is needed.
+
+Rules are written for the local spec's names; a fast learner built from the Transformer Engine
+spec (fused norms, grouped experts) has other names for the same tensors, translated first by
+megatron_rz.learner.te_spec (shapes and layouts are the same).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from kernels.families import FAMILIES, family, load
 
+from megatron_rz.learner import te_spec
 from megatron_rz.recipe import ModelConfig
 
 
@@ -179,9 +184,12 @@ def _ctx():
     )
 
 
-def _local_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters plus the expert-bias buffers, in module order (the same on every rank)."""
-    yield from model.named_parameters()
+def _local_tensors(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters plus the expert-bias buffers, in module order (the same on every rank), under their
+    local-spec names (a Transformer Engine learner's names translated by te_spec.te_to_local)."""
+    spec = getattr(model, "rz_learner_spec", "local")
+    for name, param in model.named_parameters():
+        yield te_spec.to_local(name, model_cfg, spec), param
     for name, buf in model.named_buffers():
         if name.endswith("router.expert_bias"):
             yield name, buf
@@ -252,7 +260,7 @@ def load_hf_into_megatron(model, hf_dir_or_state_dict, model_cfg: ModelConfig) -
     tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()
     get = _read_hf(hf_dir_or_state_dict)
     per_rank = _experts_per_rank(model_cfg, ep)
-    for name, t in _local_tensors(model):
+    for name, t in _local_tensors(model, model_cfg):
         rule = _rule(name, model_cfg, ep_rank, per_rank)
         full = _full_from_hf(rule, [get(k) for k in rule.hf_names], model_cfg)
         size, rank = (etp, etp_rank) if rule.expert else (tp, tp_rank)
@@ -289,7 +297,7 @@ def export_hf_weights(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torc
         return
     tp, _, tp_group, etp, _, etp_group, ep, _, ep_group = _ctx()
     per_rank = _experts_per_rank(model_cfg, ep)
-    for name, t in _local_tensors(model):
+    for name, t in _local_tensors(model, model_cfg):
         # ep_rank 0 names the experts of gathered slot r below (global id = r * per_rank + j).
         rule = _rule(name, model_cfg, 0, per_rank)
         if rule.expert:
@@ -322,7 +330,7 @@ def local_hf_pieces(model, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.
 
     tp, tp_rank, _, etp, etp_rank, _, ep, ep_rank, _ = _ctx()
     per_rank = _experts_per_rank(model_cfg, ep)
-    for name, t in _local_tensors(model):
+    for name, t in _local_tensors(model, model_cfg):
         rule = _rule(name, model_cfg, ep_rank, per_rank)
         size, rank = (etp, etp_rank) if rule.expert else (tp, tp_rank)
         t = t.detach()

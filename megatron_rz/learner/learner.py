@@ -69,9 +69,12 @@ def _pad_token_id(hf_dir) -> int | None:
 
 class Learner:
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, algo: AlgoConfig, hf_dir, seed: int = 0,
-                 mode: str = "fast", train: bool = True):
+                 mode: str = "fast", train: bool = True, te: str = "off"):
         """train=False builds the model for scoring only (no optimizer): `rz check` uses it, and it
-        allows bf16 on CPU, where Megatron's bf16 optimizer cannot run."""
+        allows bf16 on CPU, where Megatron's bf16 optimizer cannot run. te: the recipe's runtime.te
+        (auto | on | off; fast mode only): which layer spec the fast learner builds
+        (megatron_rz.learner.te_spec.resolve_spec), kept as ``self.spec`` (aligned | te | local)."""
+        from megatron_rz.learner import te_spec
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -89,6 +92,7 @@ class Learner:
             # stock vLLM model (the mismatch fast mode measures).
             mode = "aligned"
         self.model_cfg, self.parallel, self.algo, self.mode = model_cfg, parallel, algo, mode
+        self.spec = te_spec.resolve_spec(mode, te, model_cfg.arch)  # raises for te=on where TE cannot run
         self.version = 0
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()
@@ -98,7 +102,7 @@ class Learner:
         if own is not None:  # V4.1, Kimi-K3: sizes and layer schedule read from the checkpoint's config
             model = own.build_model(model_cfg, parallel, hf_dir)
         else:
-            model = build_gpt_model(model_cfg, parallel, mode=mode)
+            model = build_gpt_model(model_cfg, parallel, mode=mode, te=self.spec == "te")
         hf_convert.load_hf_into_megatron(model, hf_dir, model_cfg)
         self.model = model
         self.device = next(model.parameters()).device  # cuda:LOCAL_RANK on a GPU, else cpu

@@ -9,8 +9,9 @@ modules in the layer spec instead of patching (HF-style RMSNorm, plain causal co
 replicated MLA kv down-projection, expert-weight DDP grouping) lives in model.py.
 
 `apply()` is idempotent. The CUDA redirections are installed only when CUDA is unavailable; the
-Transformer-Engine-absence fixes (1, 2, 2b) whenever TE is missing, 2c always. Checkpoint helpers used
-around dist_checkpointing saves and loads (init_adam_state, unshare_adam_steps) live here too.
+Transformer-Engine-absence fixes (1, 2) whenever TE is missing, 2b, 2c and 2d (torch's optimizer also
+where TE imports) always. Checkpoint helpers used around dist_checkpointing saves and loads
+(init_adam_state, unshare_adam_steps) live here too.
 """
 
 from __future__ import annotations
@@ -220,6 +221,24 @@ def unshare_adam_steps(optimizer) -> None:
                 per_param["step"] = per_param["step"].clone()
 
 
+def pin_torch_optimizer() -> None:
+    """Patch 2d of apply(): megatron-core's optimizer modules as without Transformer Engine / apex."""
+    from megatron.core import optimizer as mc_optim
+    from megatron.core import utils as mc_utils
+    from megatron.core.optimizer import clip_grads as mc_clip
+    from megatron.core.optimizer import distrib_optimizer as mc_distopt
+    from megatron.core.optimizer import optimizer as mc_opt
+
+    mc_optim.Adam, mc_optim.SGD, mc_optim.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, torch.optim.SGD, True
+    mc_distopt.Adam, mc_distopt.HAVE_APEX_OR_TE = torch.optim.Adam, False
+    mc_distopt.USING_TE_OPTIMIZER = mc_distopt.USING_APEX_OPTIMIZER = False
+    for mod in (mc_clip, mc_opt):
+        mod.multi_tensor_applier = mc_utils.local_multi_tensor_applier
+        mod.multi_tensor_scale_impl = mc_utils.local_multi_tensor_scale
+    if getattr(mc_clip.l2_norm_impl, "__name__", "") != "_l2_norm_cpu":  # patch 9 on a CPU host
+        mc_clip.l2_norm_impl = mc_utils.local_multi_tensor_l2_norm
+
+
 def apply() -> None:
     """Install the workarounds (idempotent). Call before building any Megatron module.
 
@@ -266,6 +285,15 @@ def apply() -> None:
         have_te = False
     if not have_te:
         mc_mla.HAVE_TE = False
+
+    # 2d. The optimizer is torch's Adam in every mode and layer spec. megatron-core picks
+    #     Transformer Engine's FusedAdam, its fused grad-norm / scale kernels and the
+    #     DistributedOptimizer's FusedAdam bookkeeping whenever `transformer_engine` imports: on a
+    #     machine that has TE for the fast learner's layers that would change aligned mode's update
+    #     and the Adam state the checkpoint helpers below are written for. Set those module names to
+    #     what megatron-core 0.16.1 chooses without TE and apex (what runs on a host without TE
+    #     already). Applies to megatron-core 0.16.1.
+    pin_torch_optimizer()
 
     # 2b. Distributed optimizer checkpoint load with torch's Adam (no apex/TE). In the
     #     'fully_reshardable' dist_checkpointing format, load_parameter_state_from_fully_reshardable

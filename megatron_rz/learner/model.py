@@ -18,6 +18,14 @@ gloo; the all-to-all dispatcher needs CUDA streams). Routing is configured to ma
 Auxiliary losses are off (coefficient 0, load-balancing type "none") and so is dropout. The
 DeepSeek expert bias is kept fixed during RL (update rate 0): it is a load-balancing statistic of
 pre-training and changing it would change which experts the rollout engine picks.
+
+Fast mode with Transformer Engine (``te=True``; recipe runtime.te, megatron_rz.learner.te_spec):
+megatron-core's own ``get_gpt_layer_with_transformer_engine_spec`` unchanged (TE linears with the
+input / pre-MLP RMSNorm fused in, TE RMSNorm for the MoE pre-MLP and Qwen3 q/k norms, TE attention,
+MLA's q / kv norms fused into the up projections, experts as TE grouped-GEMM linears) and a TE
+RMSNorm as the final norm: the layers a Megatron user on Hopper runs. The TransformerConfig is the
+local one's but for moe_grouped_gemm (routing, all-gather dispatcher and the unfused RoPE / permute
+stay). Parameter names differ from the local spec's: te_spec.local_to_te / te_to_local.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.families import family
-from megatron_rz.learner import megatron_patches
+from megatron_rz.learner import megatron_patches, te_spec
 from megatron_rz.recipe import ModelConfig, ParallelConfig
 
 
@@ -164,8 +172,9 @@ class CoreAttention(torch.nn.Module):
 # ------------------------------------------------------------------ config and specs
 
 
-def transformer_config(m: ModelConfig, parallel: ParallelConfig):
-    """The Megatron TransformerConfig (MLATransformerConfig for deepseek_v3) for the recipe."""
+def transformer_config(m: ModelConfig, parallel: ParallelConfig, te: bool = False):
+    """The Megatron TransformerConfig (MLATransformerConfig for deepseek_v3) for the recipe; te=True:
+    for the Transformer Engine layer spec (grouped-GEMM experts), otherwise the same."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     if m.router_score == "sigmoid" and not m.norm_topk_prob and m.top_k > 1:
@@ -221,7 +230,7 @@ def transformer_config(m: ModelConfig, parallel: ParallelConfig):
         moe_layer_freq=moe_pattern,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_router_topk=m.top_k,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=te,
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -299,25 +308,50 @@ def _layer_spec(m: ModelConfig, moe: bool):
     return spec
 
 
-def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str = "fast"):
+def _te_layer_spec(m: ModelConfig, moe: bool):
+    """megatron-core's Transformer Engine layer spec for one layer (fast mode, te=True)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    f = family(m.arch)
+    experts = (m.num_experts or None) if moe else None
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=experts,
+        moe_grouped_gemm=experts is not None,  # TEGroupedMLP: one grouped GEMM per projection
+        # Qwen3: TE RMSNorm q/k norms; MLA: q_a / kv_a norms fused into the q / kv up projections
+        qk_layernorm=f.qk_norm or f.mla,
+        multi_latent_attention=f.mla,
+    )
+
+
+def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str = "fast", te: bool = False):
     """Megatron GPTModel for the recipe (call init_parallel first). Weights are uninitialised
     placeholders until hf_convert.load_hf_into_megatron fills them.
 
     mode="fast": the modules above (Megatron's stock numerics). mode="aligned": the same model and
     parameters, every forward op through `kernels` (megatron_rz.learner.aligned_spec), bitwise equal to
     kernels.models.qwen3_dsv3 for any batching / TP (1, 2) / EP (1, 2). RoPE is then applied
-    inside the aligned attention modules (float64 tables), so GPTModel gets no position embedding."""
+    inside the aligned attention modules (float64 tables), so GPTModel gets no position embedding.
+    te=True (mode="fast" only): megatron-core's Transformer Engine spec (_te_layer_spec; parameter
+    names of te_spec). The model's ``rz_learner_spec`` says which spec it was built from."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if mode not in ("fast", "aligned"):
         raise ValueError(f"build_gpt_model: mode must be 'fast' or 'aligned', not {mode!r}")
+    if te and mode != "fast":
+        raise ValueError("build_gpt_model: te=True builds the fast learner's Transformer Engine layers; mode=aligned "
+                         "builds its own")
     megatron_patches.apply()
     m = model_cfg
-    config = transformer_config(m, parallel)
+    config = transformer_config(m, parallel, te=te)
     layer_specs = [_layer_spec(m, moe=i >= m.first_k_dense) for i in range(m.num_layers)]
     final_norm = RMSNorm
     pos_emb = "rope" if family(m.arch).gqa else "none"
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer_specs = [_te_layer_spec(m, moe=i >= m.first_k_dense) for i in range(m.num_layers)]
+        final_norm = TENorm
     if mode == "aligned":
         from megatron_rz.learner import aligned_spec
 
@@ -343,8 +377,9 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
     # slice of the tokens). megatron-core marks expert weights `allreduce=False` (reduced over the
     # expert-DP group by DDP) only when ep > 1; with ep == 1 they are reduced over the dense DP
     # group, which lacks those TP ranks, and their grads stay partial. Mark them always.
+    spec = "aligned" if mode == "aligned" else "te" if te else "local"
     for name, param in model.named_parameters():
-        if ".experts.local_experts." in name:
+        if ".experts.local_experts." in te_spec.to_local(name, m, spec):  # routed experts, either spec
             setattr(param, "allreduce", False)
     model = model.to(getattr(torch, m.dtype))
     if torch.cuda.is_available():
@@ -355,4 +390,5 @@ def build_gpt_model(model_cfg: ModelConfig, parallel: ParallelConfig, mode: str 
         from megatron_rz.learner import aligned_spec
 
         aligned_spec.alignify_model(model, RMSNorm, CoreAttention)
+    model.rz_learner_spec = spec
     return model

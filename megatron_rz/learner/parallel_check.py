@@ -51,7 +51,9 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
 
     dp = world_size // tp
     recipe = load_recipe(recipe_path, list(overrides) + [f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.dp={dp}"])
-    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir, seed=0, mode=mode)
+    # the local layers unless runtime.te is set (--set runtime.te=on: the same check on TE layers)
+    te = recipe.runtime.te if "te" in recipe.runtime.model_fields_set else "off"
+    learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir, seed=0, mode=mode, te=te)
     if load_dir:
         learner.load_checkpoint(load_dir)
     ids, mask, adv = fixed_batch(recipe.model.vocab_size)
@@ -72,7 +74,7 @@ def run_check(hf_dir: str, tp: int, ep: int, overrides: list[str] = (), world_si
         "logprobs_after": after,
         "metrics": metrics,
         "weights": weights,
-        "layout": {"tp": tp, "ep": ep, "dp": dp, "mode": mode},
+        "layout": {"tp": tp, "ep": ep, "dp": dp, "mode": mode, "learner_spec": learner.spec},
         "optimizers": [type(o).__name__ for o in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])],
     }
 

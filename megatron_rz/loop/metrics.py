@@ -225,8 +225,9 @@ def plot_compare(run_dirs: list[Path], out_dir: Path, labels: list[str] | None =
 
 
 def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eval_after, times: dict,
-                end_step: int | None = None, stopped_by: str | None = None) -> dict:
+                end_step: int | None = None, stopped_by: str | None = None, learner_spec: str | None = None) -> dict:
     """The end-of-run summary (both trainers) from the run's metrics.jsonl, written to summary.json.
+    ``learner_spec``: the layers the learner was built from (aligned | te | local: Learner.spec).
 
     Stability figures of the paper: D3's running peak/median, KL (k1 and k3 = D3) averaged over the
     first and the last 10% of updates (growth = last / first), the largest gradient norm."""
@@ -244,6 +245,8 @@ def run_summary(recipe: Recipe, run_dir: Path, start_step: int, eval_before, eva
     summary = {
         "recipe": recipe.name,
         "mode": recipe.mode,
+        "learner_spec": learner_spec,
+        "runtime_te": recipe.runtime.te,
         "steps": end - start_step,
         "end_step": end,
         "stopped_by": stopped_by,  # None: schedule.steps reached

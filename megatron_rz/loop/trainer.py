@@ -342,7 +342,9 @@ def train(recipe: Recipe) -> dict:
     init_parallel(recipe.parallel, seed=recipe.schedule.seed)
     base = prepare_base_model(recipe, run_dir)
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
-                      mode=recipe.mode)
+                      mode=recipe.mode, te=recipe.runtime.te)
+    if rank() == 0:
+        print(f"[rz] learner layers: {learner.spec} (mode={recipe.mode}, runtime.te={recipe.runtime.te})", flush=True)
     rank0 = rank() == 0
     start_step = 0
     ckpt = resolve_load(recipe.checkpoint.load, run_dir)
@@ -459,7 +461,7 @@ def train(recipe: Recipe) -> dict:
         export_hf_checkpoint(buckets, base, run_dir / "hf_final")
         logger.log(end, final_eval)
         summary = run_summary(recipe, run_dir, start_step, eval_before, final_eval["eval_reward"], times, end_step=end,
-                              stopped_by=stopped_by)
+                              stopped_by=stopped_by, learner_spec=learner.spec)
         logger.close()
         logger = None
         if recipe.logging.plots:
@@ -512,7 +514,9 @@ def _bench_legs(recipe: Recipe, name: str, legs: list[tuple[str, str, int]], ste
             raise RuntimeError(f"rz bench {name.removeprefix('bench_')}: the {leg_name} run (mode={mode}, max_lag={lag}) "
                                f"failed with exit code {leg.exitcode}; its output is above, its run dir is {r.run_dir}")
         rows = [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
-        got[leg_name] = {"rows": [x for x in rows if "max_abs_dlogp" in x], "wall_s": wall}
+        summary = r.run_dir / "summary.json"
+        spec = json.loads(summary.read_text()).get("learner_spec") if summary.is_file() else None
+        got[leg_name] = {"rows": [x for x in rows if "max_abs_dlogp" in x], "wall_s": wall, "learner_spec": spec}
     return out, got
 
 
@@ -537,7 +541,8 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
                      "time_learner_mean": mean("time_learner"), "time_sync_mean": mean("time_sync"),
                      "sync_bytes": mean("sync_bytes"),
                      "sync_gb_per_s": mean("sync_bytes") / max(mean("time_sync"), 1e-9) / 1e9,
-                     "lag_mean": mean("lag_mean"), "frac_bitwise_mean": mean("frac_bitwise")}
+                     "lag_mean": mean("lag_mean"), "frac_bitwise_mean": mean("frac_bitwise"),
+                     "learner_spec": got[name]["learner_spec"]}
     for name, _ in runs[1:]:
         res[f"{name}_over_sync"] = res[name]["updates_per_s"] / res["sync"]["updates_per_s"]
     res["async_over_sync"] = res[f"{runs[1][0]}_over_sync"]
@@ -546,7 +551,7 @@ def bench_async_vs_sync(recipe: Recipe, steps: int = 10, lags: tuple[int, ...] =
     line = "; ".join(f"{n} {res[n]['updates_per_s']:.3f} updates/s" for n, _ in runs)
     ratios = ", ".join(f"{n}/sync = {res[f'{n}_over_sync']:.2f}" for n, _ in runs[1:])
     (out / "bench_async.json").write_text(json.dumps(res, indent=1))
-    print(f"{line}; {ratios}; weight sync {res['sync']['sync_bytes'] / 1e9:.3f} GB in "
+    print(f"learner layers {res['sync']['learner_spec']}; {line}; {ratios}; weight sync {res['sync']['sync_bytes'] / 1e9:.3f} GB in "
           f"{res['sync']['time_sync_mean']:.3f} s (sync) / {res[runs[1][0]]['time_sync_mean']:.3f} s (async)", flush=True)
     return res
 
@@ -580,14 +585,15 @@ def bench_step(recipe: Recipe, steps: int = 10) -> dict:
     res: dict = {"steps": steps, "max_lag": lag, "dir": str(out), "arch": recipe.model.arch,
                  "dtype": recipe.model.dtype, "cpu_count": os.cpu_count()}
     for mode in ("aligned", "fast"):
-        res[mode] = {**step_split(got[mode]["rows"]), "wall_s": got[mode]["wall_s"]}
+        res[mode] = {**step_split(got[mode]["rows"]), "wall_s": got[mode]["wall_s"],
+                     "learner_spec": got[mode]["learner_spec"]}
     res["aligned_over_fast"] = {k.removeprefix("time_"): res["aligned"][k]["median"] / max(res["fast"][k]["median"], 1e-12)
                                 for k in STEP_PARTS}
     (out / "bench_step.json").write_text(json.dumps(res, indent=1))
     parts = ", ".join(f"{k} {res['aligned'][f'time_{k}']['median']:.3f} / {res['fast'][f'time_{k}']['median']:.3f} s "
                       f"({v:.2f}x)" for k, v in res["aligned_over_fast"].items())
-    print(f"RL step, aligned / fast, median per update over {res['aligned']['updates_timed']} updates: {parts}",
-          flush=True)
+    print(f"RL step, aligned / fast (learner layers {res['aligned']['learner_spec']} / {res['fast']['learner_spec']}), "
+          f"median per update over {res['aligned']['updates_timed']} updates: {parts}", flush=True)
     return res
 
 

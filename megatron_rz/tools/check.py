@@ -149,6 +149,10 @@ def _inject(fault: str, learner, side) -> None:
             side.engine.perturb_parameter(name, FAULT_FACTOR)
     elif where == "learner":
         params = dict(learner.model.named_parameters())
+        if name not in params and learner.spec == "te":  # a local-spec name: the TE learner's one
+            from megatron_rz.learner.te_spec import local_to_te
+
+            name = local_to_te(name, learner.model_cfg)
         if name not in params:
             raise ValueError(f"--inject-fault: no learner parameter {name!r}; e.g. {next(iter(params))}")
         with torch.no_grad():
@@ -184,7 +188,7 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
     run_dir.mkdir(parents=True, exist_ok=True)
     base = prepare_base_model(recipe, run_dir)
     learner = Learner(recipe.model, recipe.parallel, recipe.algo, hf_dir=str(base), seed=recipe.schedule.seed,
-                      mode=recipe.mode, train=False)
+                      mode=recipe.mode, train=False, te=recipe.runtime.te)
     # model.fp8: the engine learns it from its checkpoint's config.json (key rz_fp8); the base model
     # may have been made without it, so the engine gets a view of it that declares it.
     rollout_dir = base
@@ -208,8 +212,8 @@ def run_check(recipe: Recipe, num_prompts: int = 16, samples: int = 4, inject_fa
         v, lf = _sampling_fault(fault)
         vllm_fault.update(v)
         learner_fault.update(lf)
-    report: dict = {"mode": recipe.mode, "arch": recipe.model.arch, "dtype": recipe.model.dtype, "fp8": recipe.model.fp8,
-                    "layout": recipe.parallel.model_dump()}
+    report: dict = {"mode": recipe.mode, "learner_spec": learner.spec, "arch": recipe.model.arch,
+                    "dtype": recipe.model.dtype, "fp8": recipe.model.fp8, "layout": recipe.parallel.model_dump()}
     if sampling_grid is None:
         report.update(_check_setting(recipe, learner, side, rollout_dir, num_prompts, samples, vllm_fault, learner_fault))
     else:
@@ -295,8 +299,9 @@ def _print_setting(report: dict, one: dict) -> None:
 
     fp8 = f" fp8={report['fp8']}" if report.get("fp8", "none") != "none" else ""
     sampling = " ".join(f"{k}={v}" for k, v in one.get("sampling", {}).items())
-    t = Table(title=f"rz check: {report['arch']} {report['dtype']}{fp8} mode={report['mode']} layout={report['layout']}"
-                    f" sampling: {sampling}")
+    layers = f" learner layers={report['learner_spec']}" if report.get("learner_spec") else ""
+    t = Table(title=f"rz check: {report['arch']} {report['dtype']}{fp8} mode={report['mode']}{layers} "
+                    f"layout={report['layout']} sampling: {sampling}")
     for col in ("scenario", "tokens", "bitwise equal", "max |dlogp|", "D3", "KL k1"):
         t.add_column(col, justify="right" if col != "scenario" else "left")
     for name, s in one["scenarios"].items():
@@ -326,7 +331,8 @@ def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str
     if rank() == 0:
         print_report(report)
         (recipe.run_dir / "check.json").write_text(json.dumps(report, indent=2))
-        print(json.dumps({"all_bitwise_equal": report["all_bitwise_equal"], "mode": report["mode"]}))
+        print(json.dumps({"all_bitwise_equal": report["all_bitwise_equal"], "mode": report["mode"],
+                          "learner_spec": report["learner_spec"]}))
     if dist.is_initialized():
         dist.barrier()
     return 1 if recipe.mode == "aligned" and not report["all_bitwise_equal"] else 0

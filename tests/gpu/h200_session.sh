@@ -6,10 +6,15 @@
 #   bash tests/gpu/h200_session.sh STAGE [STAGE ...]     results under $OUT/<stage>/
 #
 # Stages:
+#   te     Transformer Engine for the fast learner: tests/gpu/te_install.sh install (its parts stashed by the
+#          call that carried them: `bash tests/gpu/te_install.sh stash .gpu_stage/te_c1`), then the import
+#          check; exports te_env.sh's LD_LIBRARY_PATH for the stages after it (later calls: source
+#          /root/rzbin/te_env.sh). A built extension wheel comes back in $OUT/te_wheel/ (docs/gpu.md)
 #   ckpt   random bf16 checkpoints for the engine benchmarks (/root/ckpt/<config>, CKPT_CONFIGS: default
 #          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
 #   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
-#   learner  the learner's train step aligned vs fast (benchmarks/learner_gpu.py; LEARNER_CONFIGS, LEARNER_PROFILE=1)
+#   learner  the learner's train step aligned vs fast_te vs fast_local (benchmarks/learner_gpu.py; LEARNER_CONFIGS,
+#          LEARNER_MODES, LEARNER_PROFILE=1)
 #   step   `rz bench step recipes/gpu_moe.yaml`: the whole RL step aligned vs fast (rollout / learner / sync)
 #   stab   one GPU segment of the stability comparison (tiny_moe, bf16 both sides, lag 8 aligned vs fast;
 #          STAB_ROOT_IN continues a carried root, STAB_LEGS / STAB_STEPS / STAB_SLICE / STAB_BUDGET / STAB_S)
@@ -22,7 +27,7 @@
 #   segments  the Triton GEMM / routed-expert down GEMM at 1-16 row-parallel K segments
 #   check  `rz check` (Megatron learner on the GPU beside the aligned CUDA engine, CUDA graphs)
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
-#   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers)
+#   fast   the same checks in fast mode (stock vLLM CUDA classes + stock Megatron layers: TE ones after the te stage)
 #   train  `rz train` on the GPU: aligned sync, aligned async (lag 2), fast sync; per-update D3 / bitwise
 #   d3     the D3 experiment on recipes/gpu_moe.yaml: GPU warm start, aligned and fast at lag 2
 #          (D3_MODES, D3_LAG, D3_S seconds, D3_EXTRA: more recipe overrides, e.g. algo.lr=1e-5, D3_TAG: run-dir suffix)
@@ -52,6 +57,12 @@ run_stage() {
   mkdir -p "$d"
   local t0=$SECONDS
   case "$st" in
+    te)
+      bash tests/gpu/te_install.sh install
+      echo "rc=$? te_install" >> "$d/summary.txt"
+      [ -f /root/rzbin/te_env.sh ] && source /root/rzbin/te_env.sh
+      "$PY" -c "import transformer_engine, transformer_engine.pytorch as te; print('transformer_engine', transformer_engine.__version__)" \
+        2>&1 | tail -3 | tee -a "$d/summary.txt" ;;
     ckpt)
       for c in ${CKPT_CONFIGS:-moe1b dsv3_4l}; do
         [ -f "/root/ckpt/$c/config.json" ] || "$PY" benchmarks/rollout_gpu.py ckpt --config "$c" --out "/root/ckpt/$c"
@@ -186,6 +197,7 @@ PYEOF
     learner)
       # the learner's train step, aligned vs fast, each alone in its own process
       "$PY" benchmarks/learner_gpu.py bench --out "$d/learner_gpu.json" --configs ${LEARNER_CONFIGS:-gpu_moe,qwen2_1p5b} \
+        ${LEARNER_MODES:+--modes $LEARNER_MODES} \
         --rounds ${LEARNER_ROUNDS:-2} --budget-s ${LEARNER_BUDGET_S:-420} ${LEARNER_PROFILE:+--profile-dir $d/prof} \
         > "$d/learner_gpu.log" 2>&1
       echo "rc=$? learner" >> "$d/summary.txt"
