@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -150,6 +151,8 @@ def main() -> None:
     ap.add_argument("--table-len", type=int, default=0,
                     help="block-table width in keys (the engine's max_model_len; default: each shape's keys)")
     a = ap.parse_args()
+    if os.path.exists(a.out):  # never overwrite an earlier run's results
+        raise SystemExit(f"attn_decode_gpu: --out {a.out} already exists; give another --out")
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     heads = [tuple(int(x) for x in h.split("/")) for h in a.heads.split(",")]
     res = run(shapes, a.iters, heads, tuple(int(c) for c in a.chunks.split(",")), a.table_len)

@@ -243,6 +243,9 @@ def main(argv=None) -> int:
         res = run_one(a.config, a.mode, a.steps, profile=a.profile)
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
         return 0
+    taken = [x for x in (a.out, a.profile_dir) if x and Path(x).exists()]
+    if taken:  # never overwrite an earlier run's results or profiles
+        raise SystemExit(f"learner_gpu: {taken[0]} already exists; give another --out / --profile-dir")
     bad = [c for c in a.configs.split(",") if c not in CONFIGS]
     if bad:
         raise SystemExit(f"learner_gpu: --configs {bad[0]!r}: expected some of {', '.join(CONFIGS)}")

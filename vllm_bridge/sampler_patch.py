@@ -160,6 +160,16 @@ class _FiniteChecks:
                                            "logprob (non-finite logits from the model): a bug")
 
 
+def _record_step(sampler, finite: torch.Tensor, logits: torch.Tensor, token_lp: torch.Tensor) -> None:
+    """A step's finiteness flag into the sampler's pending checks (read once the GPU is done with
+    it), and the localiser's taps."""
+    checks = getattr(sampler, "_rz_finite", None)
+    if checks is None:
+        checks = sampler._rz_finite = _FiniteChecks()
+    checks.push(finite)
+    _trace(logits, token_lp)
+
+
 def _check_pending(sampler) -> None:
     """Raise if an earlier step's sampled tokens had a non-finite logprob (read once the GPU is done
     with that step, so the fast path never waits on it)."""
@@ -320,11 +330,7 @@ def _sample_untruncated(sampler, logits: torch.Tensor, md, temp: torch.Tensor) -
     if token_lp is None:
         token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
         finite = torch.isfinite(token_lp).all()
-    checks = getattr(sampler, "_rz_finite", None)
-    if checks is None:
-        checks = sampler._rz_finite = _FiniteChecks()
-    checks.push(finite)
-    _trace(logits, token_lp)
+    _record_step(sampler, finite, logits, token_lp)
     return sampled, lp
 
 
@@ -456,11 +462,7 @@ def aligned_v2_sample(sampler, logits: torch.Tensor, idx: torch.Tensor, idx_np, 
         lp = kernels.processed_logprobs(logits, temp, k, p)
         token_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
         finite = torch.isfinite(token_lp).all()
-    checks = getattr(sampler, "_rz_finite", None)
-    if checks is None:
-        checks = sampler._rz_finite = _FiniteChecks()
-    checks.push(finite)
-    _trace(logits, token_lp)
+    _record_step(sampler, finite, logits, token_lp)
     return sampled, lp
 
 
