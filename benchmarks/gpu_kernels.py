@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels_h200.json
     PYTHONPATH=. python benchmarks/gpu_kernels.py --sweep --out sweep.json   # every GEMM config
+    PYTHONPATH=. python benchmarks/gpu_kernels.py --sweep --model /root/ckpt/qwen2_1p5b \
+        --ms 1 16 32 64 128 256 512 1024 2048 4096 --out s.json --table-out t.json   # a model's pick table
     PYTHONPATH=. python benchmarks/gpu_kernels.py --groups rope router attention moe fp8 decode \
         --out benchmarks/results/gpu_ops_h200.json                              # the newer groups
 
@@ -50,15 +52,28 @@ def gemm_case(K, N, M, config=None):
     return t_cublas, t_triton
 
 
+def sweep_shapes(args) -> list[tuple[int, int, int, int | None]]:
+    """(K, N, k_segments, max M) to sweep: --model's layer shapes, else --shapes, else GEMM_SHAPES."""
+    from kernels.triton.gemm import default_k_segments
+
+    if args.model:
+        from benchmarks.gemm_shapes import load_config, model_gemm_shapes
+
+        found = model_gemm_shapes(load_config(args.model))
+        print("shapes of", args.model, ":", ", ".join(f"{s.name} {s.K}->{s.N}/{s.k_segments}" for s in found), flush=True)
+        return [(s.K, s.N, s.k_segments, s.max_m) for s in found]
+    shapes = [tuple(int(v) for v in x.split(",")) for x in args.shapes] if args.shapes else GEMM_SHAPES
+    return [(sh[0], sh[1], sh[2] if len(sh) > 2 else default_k_segments(sh[0], sh[1]), None) for sh in shapes]
+
+
 def run_sweep(args):
-    from kernels.triton.gemm import CONFIGS, default_k_segments, pick_config
+    from kernels.triton.gemm import CONFIGS, matmul_partials, pick_config
 
     rows = []
-    shapes = [tuple(int(v) for v in x.split(",")) for x in args.shapes] if args.shapes else GEMM_SHAPES
-    for shape in shapes:
-        K, N = shape[:2]
-        nseg = shape[2] if len(shape) > 2 else default_k_segments(K, N)
+    for K, N, nseg, max_m in sweep_shapes(args):
         for M in args.ms:
+            if max_m is not None and M > max_m:
+                continue
             from kernels.triton.gemm import matmul
 
             n = copies(N * K * 2 + M * K * 2)
@@ -71,12 +86,19 @@ def run_sweep(args):
                     continue
                 if cfg.block_m >= 128 and M <= 32 or cfg.block_m <= 32 and M > 1024:
                     continue
+                # row-parallel layers hand split partials to the next add + norm (the engine's fast
+                # path: kernels.linear_unreduced), so they are timed without the reduce kernel
+                op = matmul_partials if (nseg > 1 and args.partials) else matmul
                 try:
-                    res[name] = bench_graph(lambda i: (lambda: matmul(xs[i], ws[i], config=cfg, k_segments=nseg)), n)
+                    res[name] = bench_graph(lambda i: (lambda: op(xs[i], ws[i], config=cfg, k_segments=nseg)), n)
                 except Exception as e:  # noqa: BLE001 (out of resources etc.)
                     res[name] = None
                     print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             ok = {k: v for k, v in res.items() if v}
+            if not ok:
+                print(f"K={K} N={N} nseg={nseg} M={M}: every config failed", flush=True)
+                rows.append(dict(K=K, N=N, M=M, nseg=nseg, cublas_ms=t_cublas, configs=res, best=None, picked=None))
+                continue
             best = min(ok, key=ok.get)
             pc = pick_config(M, K, N, nseg)
             picked = next((k for k, c in CONFIGS.items() if c == pc), pc.name)  # CONFIGS' key
@@ -85,7 +107,8 @@ def run_sweep(args):
                   f" {ok[best]*1e3:8.1f}us ratio {t_cublas/ok[best]:.2f}  | "
                   + " ".join(f"{k}={v*1e3:.0f}" for k, v in sorted(ok.items(), key=lambda kv: kv[1])[:5]),
                   flush=True)
-            rows.append(dict(K=K, N=N, M=M, nseg=nseg, cublas_ms=t_cublas, configs=res, best=best, picked=picked))
+            rows.append(dict(K=K, N=N, M=M, nseg=nseg, cublas_ms=t_cublas, configs=res, best=best, picked=picked,
+                             partials=bool(nseg > 1 and args.partials)))
             if args.out:  # partial results survive a time-out
                 with open(args.out, "w") as f:
                     json.dump({"sweep": rows}, f, indent=1)
@@ -176,18 +199,43 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="--sweep shapes as K,N or K,N,k_segments (e.g. 8960,1536,8: a row-parallel down_proj); "
                          "default: GEMM_SHAPES with their default segmentation")
+    ap.add_argument("--model", default=None,
+                    help="--sweep the GEMM shapes of this Hugging Face config (a checkpoint directory or its "
+                         "config.json; benchmarks/gemm_shapes.py) instead of --shapes")
+    ap.add_argument("--partials", action=argparse.BooleanOptionalAction, default=True,
+                    help="time segmented shapes as the engine runs them: split partials handed on unreduced")
+    ap.add_argument("--table-out", default=None,
+                    help="--sweep: also write the fastest config per (K, N, k_segments, M) as a GEMM pick table "
+                         "(kernels/triton/gemm_table.py; use it with RZ_GEMM_TABLE=PATH or commit it under "
+                         "kernels/triton/gemm_tables/)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8-sweep", action="store_true", help="also time every FP8 config at M >= 128")
     ap.add_argument("--groups", nargs="*", default=["gemm", "rmsnorm", "logprobs", "attention"])
     args = ap.parse_args()
-    if args.out and os.path.exists(args.out):  # never overwrite an earlier run's results
-        print(f"gpu_kernels: --out {args.out} already exists; give another --out", file=sys.stderr)
+    for flag, path in (("--out", args.out), ("--table-out", args.table_out)):
+        if path and os.path.exists(path):  # never overwrite an earlier run's results
+            print(f"gpu_kernels: {flag} {path} already exists; give another {flag}", file=sys.stderr)
+            raise SystemExit(2)
+    if args.table_out and not args.sweep:
+        print("gpu_kernels: --table-out needs --sweep", file=sys.stderr)
+        raise SystemExit(2)
+    if args.model and not os.path.exists(args.model):
+        print(f"gpu_kernels: --model {args.model} does not exist; give a checkpoint directory or a config.json",
+              file=sys.stderr)
         raise SystemExit(2)
     t0 = time.time()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, cuda=torch.version.cuda)
     res = run_sweep(args) if args.sweep else run_main(args)
     res["meta"] = meta | {"seconds": time.time() - t0}
+    if args.table_out:
+        from benchmarks.gemm_shapes import dump_table, table_from_sweep
+
+        table = table_from_sweep(res["sweep"], meta | {"command": " ".join(["gpu_kernels.py"] + sys.argv[1:])})
+        os.makedirs(os.path.dirname(os.path.abspath(args.table_out)), exist_ok=True)
+        with open(args.table_out, "w") as f:
+            f.write(dump_table(table))
+        print(f"GEMM pick table: {args.table_out} ({len(table['entries'])} shapes)", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

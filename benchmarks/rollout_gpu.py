@@ -398,6 +398,10 @@ ENGINE_KINDS = {
     # the aligned class with its blockwise-FP8 linears (e4m3 weights quantised by the engine at load,
     # 1x128 activation groups): the FP8 GEMMs stock's DeepSeek-V4 runs, on the aligned side
     "aligned_fp8": (True, {"RZ_BENCH_FP8": "blockwise"}),
+    # the aligned class with the GEMM's heuristic tile picks only (no measured per-GPU table:
+    # kernels/triton/gemm_table.py); "aligned" uses RZ_GEMM_TABLE as the caller sets it (default
+    # auto: the committed table of this GPU model, where there is one)
+    "aligned_notable": (True, {"RZ_GEMM_TABLE": "off"}),
 }
 
 
@@ -424,7 +428,8 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     t0 = time.perf_counter()
     eng = _engine(ckpt, ENGINE_KINDS[kind][0], mem_gb=mem_gb, max_len=max_len)
     res: dict = {"engine": kind, "ckpt": ckpt, "gpu": torch.cuda.get_device_name(),
-                 "startup_s": round(time.perf_counter() - t0, 1), "env": ENGINE_KINDS[kind][1], "cells": []}
+                 "startup_s": round(time.perf_counter() - t0, 1), "env": ENGINE_KINDS[kind][1],
+                 "gemm_table": os.environ.get("RZ_GEMM_TABLE", "auto"), "cells": []}
     print(f"{kind} engine up in {res['startup_s']} s", flush=True)
     try:
         for (B, P, N) in cells:

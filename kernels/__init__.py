@@ -57,6 +57,7 @@ _EXPORTS = {
     "set_backend": "settings",
     "backend": "settings",
     "set_gemm_small_tiles": "settings",
+    "set_gemm_table": "settings",
     # device-agnostic (plain torch, exact per element on any device)
     "sum_partials": "gemm",
     "finish_linear": "gemm",

@@ -3,7 +3,7 @@
 Set them with :func:`set_backend` / :func:`set_gemm_small_tiles` (``megatron_rz.launch.runtime`` does, from
 the recipe's ``runtime`` section). Processes started for a run (vLLM's workers, torchrun ranks) read
 their start values from the environment the launcher sets: ``RZ_KERNELS`` (``auto`` | ``reference``),
-``RZ_GEMM_SMALL_TILES``, ``RZ_DECODE_SPLIT`` and ``RZ_FUSED_WORK_LIST`` (``1`` | ``0``). The last three
+``RZ_GEMM_SMALL_TILES``, ``RZ_GEMM_TABLE`` (``auto`` | ``off`` | a path: set_gemm_table), ``RZ_DECODE_SPLIT`` and ``RZ_FUSED_WORK_LIST`` (``1`` | ``0``). The last three
 choose between launch plans of the same numbers (speed only, never a bit): benchmarks switch them off
 to time the plain plans beside the fast ones. ``RZ_BATCHED_DRAW`` (``1`` | ``0``) picks the aligned
 CUDA sampler's random draw: one keyed Gumbel race for the batch (``kernels.triton.draw``) or vLLM's
@@ -27,6 +27,7 @@ _fused_work_list = os.environ.get("RZ_FUSED_WORK_LIST", "1") != "0"
 _batched_draw = os.environ.get("RZ_BATCHED_DRAW", "1") != "0"
 _fused_sampler = os.environ.get("RZ_FUSED_SAMPLER", "0") == "1"  # opt-in: see set_fused_sampler
 _decode_rows = int(os.environ.get("RZ_DECODE_ROWS", "64") or 64)  # opt-in: see set_decode_rows
+_gemm_table = os.environ.get("RZ_GEMM_TABLE", "auto") or "auto"
 
 
 def set_backend(name: str) -> None:
@@ -51,6 +52,19 @@ def set_gemm_small_tiles(on: bool) -> None:
 def gemm_small_tiles() -> bool:
     """Whether the GPU GEMM picks its short-K tile table."""
     return _small_tiles
+
+
+def set_gemm_table(setting: str) -> None:
+    """GPU GEMM: the measured per-GPU table of tile picks (kernels/triton/gemm_table.py): ``auto``
+    (the committed table of this GPU model, where there is one), ``off`` (heuristic picks only) or
+    the path of a table file. Same bits whatever the table; only speed differs."""
+    global _gemm_table
+    _gemm_table = str(setting or "auto")
+
+
+def gemm_table() -> str:
+    """The GEMM table setting in force (``auto`` | ``off`` | a path)."""
+    return _gemm_table
 
 
 def set_decode_split(on: bool) -> None:

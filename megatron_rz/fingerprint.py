@@ -9,7 +9,7 @@ from megatron_rz.recipe import Recipe
 
 # Fields that do not change what a run computes (compared when a run is resumed).
 NOT_RESULTS = {"checkpoint": {"load", "verify"}, "logging": {"progress", "plots", "wandb", "wandb_mode", "verbose"},
-               "parallel": {"collective_timeout_s"}, "runtime": {"gemm_small_tiles", "native_cpu_kernels"}}
+               "parallel": {"collective_timeout_s"}, "runtime": {"gemm_small_tiles", "gemm_table", "native_cpu_kernels"}}
 BASE_FORMAT = 1  # bump when warm_start changes what it makes from the same settings
 # Task fields added after hashes were recorded: left out of both hashes while at their defaults, so
 # the hashes of recipes that do not use them stay what they were.

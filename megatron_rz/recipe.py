@@ -512,6 +512,9 @@ class RuntimeConfig(_Strict):
     # reference ops on every device (slow on a GPU; for diagnosis). CPU runs compute the same either way.
     kernels: Literal["auto", "reference"] = "auto"
     gemm_small_tiles: bool = True  # GPU GEMM: the short-K tile table (same bits either way; speed only)
+    # GPU GEMM: the measured per-GPU table of tile picks (kernels/triton/gemm_table.py): auto (the
+    # committed table of this GPU model, where there is one), off (heuristic picks), or a table's path
+    gemm_table: str = "auto"
     # CPU: the compiled exact kernels (kernels/_native.c; same bits as the torch reference, faster);
     # false: the torch reference code. Read once per process, at the first kernel call.
     native_cpu_kernels: bool = True
@@ -522,6 +525,16 @@ class RuntimeConfig(_Strict):
     # run; off: the local spec. Which one ran: `learner_spec` in summary.json / check.json
     # (megatron_rz/learner/te_spec.py, docs/gpu.md "Transformer Engine").
     te: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("gemm_table", mode="before")
+    @classmethod
+    def _gemm_table_file(cls, v):
+        if isinstance(v, bool):  # YAML 1.1 reads a bare off / on as a boolean
+            v = "auto" if v else "off"
+        if v not in ("auto", "off") and not Path(v).is_file():
+            raise ValueError(f"{v!r} is not a file: give auto, off or the path of a table written by "
+                             "benchmarks/gpu_kernels.py --sweep --table-out")
+        return v
 
     @field_validator("te", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..settings import gemm_small_tiles
+from ..settings import gemm_small_tiles, gemm_table
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -159,13 +159,37 @@ def pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:
     """Fastest measured config for this M (H200 sweeps, benchmarks/gpu_kernels.py --sweep / gemm1b).
 
     The choice may depend on M freely: every config gives the same bits for a given (K, N,
-    k_segments). Only the segmentation (an argument here) is fixed per layer.
+    k_segments). Only the segmentation (an argument here) is fixed per layer. A measured table for
+    this GPU (kernels/triton/gemm_table.py; ``runtime.gemm_table``) overrides the heuristics below
+    for the shapes and row counts it timed.
     """
+    name = _table_pick(M, K, N, k_segments)
+    if name is not None:
+        return CONFIGS[name]
     if gemm_small_tiles() and K <= 2048 and (N <= 4096 or K <= 1024):
         cfg = _pick_short_k(M, N, k_segments)
         if cfg is not None:
             return cfg
     return _pick_config(M, K, N, k_segments)
+
+
+_table_index: dict = {}  # setting -> (device name, indexed table or None)
+
+
+def _table_pick(M: int, K: int, N: int, k_segments: int) -> Optional[str]:
+    setting = gemm_table()
+    hit = _table_index.get(setting)
+    if hit is None:
+        from . import gemm_table as gt
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        path = gt.table_path(setting, device)
+        hit = _table_index[setting] = gt.load_table(path, CONFIGS) if path is not None else {}
+    if not hit:
+        return None
+    from .gemm_table import lookup
+
+    return lookup(hit, M, K, N, k_segments)
 
 
 def _pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:

@@ -6,6 +6,7 @@ The recipe fields (megatron_rz.recipe) and where they go:
 |---|---|---|
 | `runtime.kernels` | `kernels.set_backend` | `RZ_KERNELS`, read by kernels/settings.py at import (vLLM's workers) |
 | `runtime.gemm_small_tiles` | `kernels.set_gemm_small_tiles` | `RZ_GEMM_SMALL_TILES` (same) |
+| `runtime.gemm_table` | `kernels.set_gemm_table` | `RZ_GEMM_TABLE` (same) |
 | `runtime.native_cpu_kernels` | `RZ_KERNELS_NATIVE`, read by kernels/_native.py at the first kernel call | (same) |
 | `runtime.vllm_patches` | - | `RZ_VLLM_PATCHES`, read by vllm_bridge/vllm_patches.py in every vLLM process |
 | `runtime.te` | read by the Learner (megatron_rz.learner.te_spec.resolve_spec: the fast learner's layers); `on` where TE cannot run is refused by `rz train / check / bench` first | (every rank applies its recipe) |
@@ -36,6 +37,7 @@ def child_env(recipe: Recipe) -> dict[str, str]:
     return {
         "RZ_KERNELS": rt.kernels,
         "RZ_GEMM_SMALL_TILES": "1" if rt.gemm_small_tiles else "0",
+        "RZ_GEMM_TABLE": rt.gemm_table,
         "RZ_KERNELS_NATIVE": "1" if rt.native_cpu_kernels else "0",
         "RZ_VLLM_PATCHES": "1" if rt.vllm_patches else "0",
     }
@@ -49,6 +51,7 @@ def apply_runtime(recipe: Recipe) -> None:
 
     kernels.set_backend(recipe.runtime.kernels)
     kernels.set_gemm_small_tiles(recipe.runtime.gemm_small_tiles)
+    kernels.set_gemm_table(recipe.runtime.gemm_table)
     set_verify(recipe.checkpoint.verify)
     os.environ.update(child_env(recipe))
     if not recipe.logging.verbose:  # keep the terminal for progress bars and results

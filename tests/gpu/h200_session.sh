@@ -24,6 +24,8 @@
 #   tests  tests/gpu/test_aligned_cuda_engine.py (aligned CUDA engine: batch invariance, decode ==
 #          prefill, == learner kernels, in-place reload), stock vLLM's in-place reload of the routed
 #          experts, and the Triton kernel tests (GPU_TESTS=... picks files)
+#   tune   the GEMM pick table of a model's shapes on this GPU (TUNE_CONFIGS, default qwen2_1p5b; ckpts in
+#          /root/ckpt; TUNE_MS): $OUT/tune/table_<config>.json, used by the bench with RZ_GEMM_TABLE=<it>
 #   segments  the Triton GEMM / routed-expert down GEMM at 1-16 row-parallel K segments
 #   check  `rz check` (Megatron learner on the GPU beside the aligned CUDA engine, CUDA graphs)
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
@@ -71,6 +73,17 @@ run_stage() {
       timeout ${TESTS_TIMEOUT:-540} "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_aligned_cuda_engine.py \
         tests/gpu/test_stock_reload.py tests/gpu/test_triton_kernels.py} > "$d/pytest_full.txt" 2>&1
       grep -E "^E  |^FAILED|^ERROR|passed|failed" "$d/pytest_full.txt" | tail -40 | tee "$d/pytest.txt" ;;
+    tune)
+      # measured GEMM tile picks for a model's own shapes on this GPU (kernels/triton/gemm_table.py):
+      # every config at every M, the fastest per (K, N, k_segments, M) written as a pick table; the
+      # bench uses it with RZ_GEMM_TABLE=$d/table_<config>.json (commit it under kernels/triton/gemm_tables/)
+      for c in ${TUNE_CONFIGS:-qwen2_1p5b}; do
+        "$PY" benchmarks/gpu_kernels.py --sweep --model "/root/ckpt/$c" \
+          --ms ${TUNE_MS:-1 16 32 64 128 256 512 1024 2048 4096 8192} --out "$d/sweep_$c.json" \
+          --table-out "$d/table_$c.json" > "$d/sweep_$c.log" 2>&1
+        echo "rc=$? tune $c" | tee -a "$d/summary.txt"
+        grep -E "^shapes|^K=|table|Error" "$d/sweep_$c.log" | sed -E 's/  \|.*//' | tail -70 | tee -a "$d/summary.txt"
+      done ;;
     segments)
       "$PY" benchmarks/gpu_kernels.py --groups segments --out "$d/segments.json" 2>&1 | tail -120 ;;
     check|fast)

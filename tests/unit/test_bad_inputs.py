@@ -87,6 +87,8 @@ CASES = [
                                                    "runtime.kernels=auto"]),
     (["train", TINY, "runtime.kernel=auto"], ["runtime.kernel'", "did you mean 'runtime.kernels'"]),
     (["validate", TINY, "runtime.gemm_small_tiles=sometimes"], ["runtime.gemm_small_tiles='sometimes'", "boolean"]),
+    (["check", TINY, "runtime.gemm_table=/no/such/table.json"], ["runtime.gemm_table='/no/such/table.json'",
+                                                                  "is not a file", "auto, off"]),
     (["check", TINY, "runtime.vllm_patches=2"], ["runtime.vllm_patches=2", "boolean", "runtime.vllm_patches=True"]),
     (["validate", TINY, "runtime=fast"], ["runtime='fast'", "section"]),
     (["bench", "rollout", TINY, "runtime.native_cpu_kernels=[1]"], ["runtime.native_cpu_kernels", "boolean"]),
