@@ -98,3 +98,37 @@ def dump_table(table: dict) -> str:
         lines.append(f'  {json.dumps(key)}: {json.dumps(rows)}' + ("," if i < len(items) - 1 else ""))
     lines.append(" }\n}\n")
     return "\n".join(lines)
+
+
+def merge_tables(docs: list[dict]) -> dict:
+    """One device's tables (e.g. one per model) as one: entries of different shapes side by side; a
+    shape in several tables takes the later table's rows. Refuses tables of different devices."""
+    devices = {d.get("device") for d in docs}
+    if len(devices) != 1:
+        raise ValueError(f"merge_tables: tables of several devices {sorted(map(str, devices))}")
+    out = {k: v for k, v in docs[-1].items() if k != "entries"}
+    out["command"] = " + ".join(str(d.get("command")) for d in docs)
+    out["entries"] = {}
+    for d in docs:
+        out["entries"].update(d["entries"])
+    return out
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="merge GEMM pick tables of one GPU model "
+                                             "(python benchmarks/gemm_shapes.py merge --out F A.json B.json)")
+    ap.add_argument("cmd", choices=["merge"])
+    ap.add_argument("tables", nargs="+")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    if Path(a.out).exists() and str(Path(a.out).resolve()) not in {str(Path(t).resolve()) for t in a.tables}:
+        raise SystemExit(f"gemm_shapes: --out {a.out} exists and is not one of the merged tables")
+    merged = merge_tables([json.loads(Path(t).read_text()) for t in a.tables])
+    Path(a.out).write_text(dump_table(merged))
+    print(f"{a.out}: {len(merged['entries'])} shapes")
+
+
+if __name__ == "__main__":
+    main()

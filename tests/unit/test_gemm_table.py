@@ -134,3 +134,15 @@ def test_sweep_refuses_to_overwrite_a_table(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
     assert json.loads(p.read_text()) == {"device": "X", "entries": {}}
+
+
+def test_merge_keeps_every_shape_and_refuses_two_devices():
+    from benchmarks.gemm_shapes import merge_tables
+
+    a = {"device": "NVIDIA H100 80GB HBM3", "command": "a", "entries": {"1,2,1": [[1, "d16_n64"]], "3,4,1": [[1, "d16_n32"]]}}
+    b = {"device": "NVIDIA H100 80GB HBM3", "command": "b", "entries": {"3,4,1": [[8, "d64_n64"]], "5,6,8": [[1, "d16_n64_split"]]}}
+    m = merge_tables([a, b])
+    assert m["entries"] == {"1,2,1": [[1, "d16_n64"]], "3,4,1": [[8, "d64_n64"]], "5,6,8": [[1, "d16_n64_split"]]}
+    assert m["command"] == "a + b"
+    with pytest.raises(ValueError, match="several devices"):
+        merge_tables([a, {**b, "device": "NVIDIA H200"}])
