@@ -67,8 +67,12 @@ def sweep_shapes(args) -> list[tuple[int, int, int, int | None]]:
 
 
 def run_sweep(args):
+    from kernels import settings
     from kernels.triton.gemm import CONFIGS, matmul_partials, pick_config
 
+    # "picked" is the heuristic's choice (kernels/triton/gemm.py), not a table's: a sweep measures
+    # what a table would change
+    settings.set_gemm_table("off")
     rows = []
     for K, N, nseg, max_m in sweep_shapes(args):
         for M in args.ms:

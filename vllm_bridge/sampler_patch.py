@@ -55,6 +55,7 @@ import collections
 import logging
 import os
 import random
+import re
 
 import numpy as np
 import torch
@@ -415,6 +416,20 @@ def apply() -> None:
 PATCHED_V2_FOR = ("0.26.",)
 
 
+# vLLM 0.26's V2 runner warms its kernels up at start (vllm/v1/worker/gpu/warmup.py warmup_kernels)
+# with requests "_warmup_<i>_" whose SamplingParams.for_sampler_warmup() turns every sampler
+# feature on (penalties, logit_bias, min_p, bad words, min_tokens). Those batches are vLLM's own and
+# their tokens are thrown away: the aligned sampler runs its own kernels on them (warming those up)
+# without the contract's refusal, which would otherwise stop every V2 engine at start (measured on
+# the H100, 2026-12-06: "EngineCore failed to start" with all four features named).
+V2_WARMUP_ID = re.compile(r"_warmup_\d+_")
+
+
+def is_v2_warmup_batch(req_ids) -> bool:
+    """A batch made only of vLLM's V2 warm-up requests (ids exactly ``_warmup_<i>_``, as warmup.py names them)."""
+    return bool(req_ids) and all(V2_WARMUP_ID.fullmatch(str(r)) for r in req_ids)
+
+
 def _refuse_unsupported_v2(sampler, idx_np) -> None:
     found = []
     if np.any(sampler.penalties_state.use_penalty[idx_np]):
@@ -475,7 +490,8 @@ def aligned_v2_call(sampler, logits: torch.Tensor, input_batch):
 
     idx = input_batch.expanded_idx_mapping
     idx_np = input_batch.idx_mapping_np
-    _refuse_unsupported_v2(sampler, idx_np)
+    if not is_v2_warmup_batch(input_batch.req_ids):
+        _refuse_unsupported_v2(sampler, idx_np)
     pos = input_batch.positions[input_batch.logits_indices]
     sampled, lp = aligned_v2_sample(sampler, logits, idx, idx_np, pos)
     logprobs = None

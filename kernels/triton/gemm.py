@@ -142,6 +142,11 @@ def _pick_short_k(M: int, N: int, k_segments: int) -> Optional[GemmConfig]:
         return None
     if N <= 64:
         return CONFIGS["d16_n32"]
+    if N <= 128:
+        # narrow outputs (a 128-expert router gate): a grid of a few tiles wants the smallest ones
+        # (2048 -> 128 on the H100: 5.1 vs 7.9 us at M = 128, 8.8 vs 23.4 at M = 2048; the sweep of
+        # benchmarks/results/gpu_2026-12-06d_h100/tune/sweep_qwen3_30b_a3b_4l.log)
+        return CONFIGS["d16_n32" if M <= 512 else "d16_n64" if M <= 1024 else "d64_n64"]
     if N > 4096:
         if M <= 64:
             return CONFIGS["m64_n128_tma"]

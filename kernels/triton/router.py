@@ -2,10 +2,12 @@
 
 ``route(logits[T, E], top_k, *, score, expert_bias, num_groups, group_topk, norm_topk_prob,
 scaling_factor)`` -> ``(ids int64 [T, k], weights fp32 [T, k])``: the semantics of the CPU
-reference (kernels/router.py, Hugging Face Qwen3-MoE softmax and DeepSeek-V3 ``noaux_tc`` sigmoid):
+reference (kernels/router.py, Hugging Face Qwen3-MoE softmax, DeepSeek-V3 ``noaux_tc`` sigmoid and
+DeepSeek-V4's sqrtsoftplus):
 
 * softmax: ``e = exp(x - max(x))``, ``p = e / sum(e)``; sigmoid: ``1 / (1 + exp(-x))`` (libdevice
-  ``exp``, IEEE ``div_rn``). The sum is one ``tl.sum`` over a ``BLOCK_E = next_pow2(E)`` vector with
+  ``exp``, IEEE ``div_rn``); sqrtsoftplus: kernels.dsv4.sqrtsoftplus's steps (``exp`` of ``min(x, 20)``,
+  ``log1p`` as ``log(u) * (e / (u - 1))``, ``x`` above 20, IEEE ``sqrt_rn``). The sum is one ``tl.sum`` over a ``BLOCK_E = next_pow2(E)`` vector with
   exact-zero padding, i.e. a tree fixed by E alone.
 * selection on ``score + bias``; grouped: group score = top1 + top2 of the group (biased), the
   ``group_topk`` best groups kept; top-k over the kept experts.
@@ -13,7 +15,7 @@ reference (kernels/router.py, Hugging Face Qwen3-MoE softmax and DeepSeek-V3 ``n
   the reference's stable descending sort, so ties go to the lowest expert / group id and slot 0 is
   the best expert.
 * weights = unbiased scores of the chosen experts; normaliser a left fold over slots 0..k-1
-  (``+ 1e-20`` for sigmoid), IEEE division; then ``* scaling_factor``.
+  (``+ 1e-20`` for sigmoid and sqrtsoftplus), IEEE division; then ``* scaling_factor``.
 
 Every step is a function of the token's own row: **exactly per token, batch invariant** (one program
 per row; no cross-row state). Agreement with the CPU reference: ids equal except at near-ties of
@@ -46,8 +48,19 @@ def _exp(x):
 
 
 @triton.jit
+def _log(x):
+    if _LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+@triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, EG, stride_l, scaling_factor,
-                   TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   TOP_K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, NORM: tl.constexpr,
                    SCALE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
                    BLOCK_K: tl.constexpr):
@@ -57,8 +70,15 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, EG, stride_l, scalin
     eid = rg[:, None] * EG + rj[None, :]  # expert id of each [group, slot-in-group] cell
     valid = (rg[:, None] < NUM_GROUPS) & (rj[None, :] < EG)
     x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=float("-inf")).to(tl.float32)
-    if SIGMOID:
+    if SCORE == 1:  # sigmoid
         sc = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x))
+        sc = tl.where(valid, sc, 0.0)
+    elif SCORE == 2:  # sqrtsoftplus (DeepSeek-V4): kernels.dsv4.sqrtsoftplus's steps, IEEE div / sqrt
+        e = _exp(tl.minimum(x, 20.0))
+        u = 1.0 + e
+        d = u - 1.0
+        l1p = tl.where(d == 0.0, e, _log(u) * tl.math.div_rn(e, tl.where(d == 0.0, 1.0, d)))
+        sc = tl.math.sqrt_rn(tl.where(x > 20.0, x, l1p))
         sc = tl.where(valid, sc, 0.0)
     else:
         m = tl.max(tl.max(x, axis=1), axis=0)
@@ -103,7 +123,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, EG, stride_l, scalin
         else:
             denom = denom + wi
     if NORM:
-        if SIGMOID:
+        if SCORE != 0:  # sigmoid / sqrtsoftplus, as the reference
             denom = denom + 1e-20
         ws = tl.math.div_rn(ws, tl.full(ws.shape, 1.0, tl.float32) * denom)
     if SCALE:
@@ -129,7 +149,7 @@ def route(
     No autograd (``kernels.route`` adds the reference gradient for the weights)."""
     if logits.dim() != 2:
         raise ValueError("route: logits must be [T, E]")
-    if score not in ("softmax", "sigmoid"):
+    if score not in SCORES:
         raise ValueError(f"route: unknown score {score!r}")
     T, E = logits.shape
     if num_groups < 1 or E % num_groups:
@@ -146,7 +166,7 @@ def route(
     bias = None if expert_bias is None else expert_bias.to(device=logits.device).contiguous()
     _router_kernel[(T,)](
         l2, bias if bias is not None else l2, ids, w, E, eg, l2.stride(0), float(scaling_factor),
-        TOP_K=int(top_k), SIGMOID=score == "sigmoid", HAS_BIAS=bias is not None,
+        TOP_K=int(top_k), SCORE=SCORES[score], HAS_BIAS=bias is not None,
         NUM_GROUPS=int(num_groups), GROUP_TOPK=gk, NORM=bool(norm_topk_prob),
         SCALE=float(scaling_factor) != 1.0, BLOCK_G=triton.next_power_of_2(num_groups),
         BLOCK_EG=triton.next_power_of_2(eg), BLOCK_K=triton.next_power_of_2(top_k),

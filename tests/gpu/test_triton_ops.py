@@ -92,6 +92,9 @@ ROUTER_CASES = {
     "softmax_raw": dict(E=64, k=6, kw=dict(score="softmax")),
     "dsv3_sigmoid_grouped": dict(E=256, k=8, kw=dict(score="sigmoid", num_groups=8, group_topk=4,
                                                       norm_topk_prob=True, scaling_factor=2.5), bias=True),
+    # DeepSeek-V4: sqrtsoftplus scores, biased selection, normalised, scaled (tiny_dsv4's router)
+    "dsv4_sqrtsoftplus": dict(E=256, k=6, kw=dict(score="sqrtsoftplus", norm_topk_prob=True, scaling_factor=1.5),
+                              bias=True),
 }
 
 

@@ -120,3 +120,15 @@ def test_v2_sampler_patch_leaves_other_vllm_versions_alone():
 
     assert not getattr(v2.Sampler.__call__, "_rz_patched", False)
     assert not getattr(prompt_logprob.compute_topk_scores, "_rz", False)
+
+
+def test_v2_warmup_batches_are_vllms_own_only():
+    """vLLM 0.26's V2 runner warms up with every sampler feature on (requests ``_warmup_<i>_``): the
+    aligned sampler skips its refusal there and only there."""
+    from vllm_bridge.sampler_patch import is_v2_warmup_batch
+
+    assert is_v2_warmup_batch(["_warmup_0_", "_warmup_1_", "_warmup_255_"])
+    assert not is_v2_warmup_batch([])
+    assert not is_v2_warmup_batch(["_warmup_0_", "7"])  # one real request: the contract holds
+    for rid in ("_warmup_x_", "_warmup_0_extra", "warmup_0_", "req_0_abc", "0"):
+        assert not is_v2_warmup_batch([rid]), rid

@@ -421,3 +421,32 @@ def test_fused_launches_equal_the_unfused_ones_in_the_interpreter():
     (== the reduce kernel then add_rms_norm, with and without bias, N not a power of two, -0 rows),
     matmul_partials' hand-back, and RoPE of q and k in one launch over their strided block."""
     _interpret(CHILD_FUSED, "interpreted fused launches OK")
+
+
+CHILD_ROUTER = r'''
+import torch
+from kernels import router as RT
+from kernels.triton.router import route
+
+g = torch.Generator().manual_seed(5)
+E, k = 64, 6
+logits = torch.randn(40, E, generator=g) * 3
+logits[0, :4] = torch.tensor([25.0, 30.0, -30.0, 1e-3])  # the x > 20 branch, a deep negative, near 0
+bias = torch.randn(E, generator=g) * 0.05
+for score in ("sqrtsoftplus", "sigmoid", "softmax"):
+    kw = dict(score=score, expert_bias=bias, norm_topk_prob=True, scaling_factor=1.5)
+    ids, w = route(logits, k, **kw)
+    ids_c, w_c = RT.route(logits, k, **kw)
+    assert torch.equal(ids, ids_c), score
+    assert (w - w_c).abs().max().item() < 2e-6 * 1.5, (score, (w - w_c).abs().max().item())
+    for i in (0, 7, 39):  # one row alone: the same bits as in the batch
+        a, b = route(logits[i:i + 1], k, **kw)
+        assert torch.equal(a, ids[i:i + 1]) and torch.equal(b, w[i:i + 1]), (score, i)
+print("interpreted router OK")
+'''
+
+
+def test_router_scores_in_the_triton_interpreter():
+    """The Triton router's three score functions (DeepSeek-V4's sqrtsoftplus included): the CPU
+    reference's experts, weights within rounding, each row's bits independent of the batch."""
+    _interpret(CHILD_ROUTER, "interpreted router OK")
