@@ -25,7 +25,8 @@
 #          prefill, == learner kernels, in-place reload), stock vLLM's in-place reload of the routed
 #          experts, and the Triton kernel tests (GPU_TESTS=... picks files)
 #   tune   the GEMM pick table of a model's shapes on this GPU (TUNE_CONFIGS, default qwen2_1p5b; ckpts in
-#          /root/ckpt; TUNE_MS): $OUT/tune/table_<config>.json, used by the bench with RZ_GEMM_TABLE=<it>
+#          /root/ckpt; TUNE_MS): $OUT/tune/table_<config>.json and /root/gemm_tables/<config>.json (kept on
+#          the machine while it stays warm), used by the bench with RZ_GEMM_TABLE=/root/gemm_tables/<config>.json
 #   segments  the Triton GEMM / routed-expert down GEMM at 1-16 row-parallel K segments
 #   check  `rz check` (Megatron learner on the GPU beside the aligned CUDA engine, CUDA graphs)
 #          for tiny_moe and tiny_dsv3 in bf16, aligned; base models carried in gpu_runs/
@@ -82,6 +83,8 @@ run_stage() {
           --ms ${TUNE_MS:-1 16 32 64 128 256 512 1024 2048 4096 8192} --out "$d/sweep_$c.json" \
           --table-out "$d/table_$c.json" > "$d/sweep_$c.log" 2>&1
         echo "rc=$? tune $c" | tee -a "$d/summary.txt"
+        # $OUT is a fresh folder in every call: keep the table on the machine for the later calls
+        mkdir -p /root/gemm_tables && cp "$d/table_$c.json" "/root/gemm_tables/$c.json" 2>/dev/null
         grep -E "^shapes|^K=|table|Error" "$d/sweep_$c.log" | sed -E 's/  \|.*//' | tail -70 | tee -a "$d/summary.txt"
       done ;;
     segments)
