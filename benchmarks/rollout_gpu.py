@@ -423,13 +423,16 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from benchmarks.machine_probe import probe
+
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     max_len = max(p + n for _, p, n in cells) + 16
+    before = probe()  # the machine's speed now (benchmarks/machine_probe.py), again after the cells
     t0 = time.perf_counter()
     eng = _engine(ckpt, ENGINE_KINDS[kind][0], mem_gb=mem_gb, max_len=max_len)
     res: dict = {"engine": kind, "ckpt": ckpt, "gpu": torch.cuda.get_device_name(),
                  "startup_s": round(time.perf_counter() - t0, 1), "env": ENGINE_KINDS[kind][1],
-                 "gemm_table": os.environ.get("RZ_GEMM_TABLE", "auto"), "cells": []}
+                 "gemm_table": os.environ.get("RZ_GEMM_TABLE", "auto"), "probes": [before], "cells": []}
     print(f"{kind} engine up in {res['startup_s']} s", flush=True)
     try:
         for (B, P, N) in cells:
@@ -452,6 +455,7 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
                 res["cells"].append(cell)
     finally:
         eng.close()
+    res["probes"].append(probe())
     json.dump(res, open(out, "w"), indent=1)
     return res
 
@@ -482,7 +486,13 @@ def compare(parts: list[dict]) -> dict:
             cell = lambda x: f"{x['batch']}x{x['prompt']}x{x['new']}{' seeded' if x['seeded'] else ''}"  # noqa: E731
             summary[f"aligned_over_{e}"] = {"worst": worst[f"aligned_over_{e}"], "worst_cell": cell(worst), "best": best[f"aligned_over_{e}"],
                                             "best_cell": cell(best), "cells": len(r)}
-    return {"engines": {p["engine"]: {"startup_s": p["startup_s"], "env": p["env"]} for p in parts},
+    # the machine's own speed before and after each engine (machine_probe): a ratio is read only
+    # where it stayed put
+    from benchmarks.machine_probe import spread
+
+    summary["machine"] = spread([q for p in parts for q in p.get("probes", [])])
+    return {"engines": {p["engine"]: {"startup_s": p["startup_s"], "env": p["env"], "probes": p.get("probes", [])}
+                        for p in parts},
             "gpu": parts[0].get("gpu"), "ckpt": parts[0].get("ckpt"), "summary": summary, "cells": rows}
 
 
@@ -513,6 +523,9 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
     for row in res["cells"]:
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
     print("summary", json.dumps(res["summary"]), flush=True)
+    if not res["summary"]["machine"]["stable"]:
+        print(f"bench: the machine's speed moved during the run ({json.dumps(res['summary']['machine'])}): "
+              "do not read the ratios as a measurement; run again", flush=True)
     return res
 
 
