@@ -427,11 +427,14 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
 
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     max_len = max(p + n for _, p, n in cells) + 16
-    before = probe()  # the machine's speed now (benchmarks/machine_probe.py), again after the cells
     t0 = time.perf_counter()
     eng = _engine(ckpt, ENGINE_KINDS[kind][0], mem_gb=mem_gb, max_len=max_len)
+    startup = round(time.perf_counter() - t0, 1)
+    # the machine's speed now (benchmarks/machine_probe.py), again after the cells; taken with the
+    # engine up and idle (CUDA is not initialised here before vLLM starts its engine process)
+    before = probe()
     res: dict = {"engine": kind, "ckpt": ckpt, "gpu": torch.cuda.get_device_name(),
-                 "startup_s": round(time.perf_counter() - t0, 1), "env": ENGINE_KINDS[kind][1],
+                 "startup_s": startup, "env": ENGINE_KINDS[kind][1],
                  "gemm_table": os.environ.get("RZ_GEMM_TABLE", "auto"), "probes": [before], "cells": []}
     print(f"{kind} engine up in {res['startup_s']} s", flush=True)
     try:
@@ -453,9 +456,9 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
                         "max_s": round(max(times), 4), "tok_s": round(B * N / _median(times), 1)}
                 print(json.dumps(cell), flush=True)
                 res["cells"].append(cell)
+        res["probes"].append(probe())
     finally:
         eng.close()
-    res["probes"].append(probe())
     json.dump(res, open(out, "w"), indent=1)
     return res
 
