@@ -94,7 +94,10 @@ def probe(gpu: bool | None = None) -> dict:
         except ImportError:
             gpu = False
     if gpu:
-        out.update(_gpu())
+        try:
+            out.update(_gpu())
+        except Exception as e:  # noqa: BLE001 (e.g. out of memory beside a large engine: the bench goes on)
+            out["gpu_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         out["smi"] = _smi()
     return out
 
