@@ -43,7 +43,7 @@ K3_DICT = {
 }
 
 
-def _k3_weights(c: kk.KimiConfig, seed: int = 0, dtype=torch.float32) -> dict:
+def k3_weights(c: kk.KimiConfig, seed: int = 0, dtype=torch.float32) -> dict:
     """Random K3-class weights with the Kimi checkpoint names vLLM loads."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -152,7 +152,7 @@ def hf_model():
 @pytest.fixture(scope="module")
 def k3():
     c = kk.kimi_config(K3_DICT)
-    return c, _k3_weights(c)
+    return c, k3_weights(c)
 
 
 def _hf_kimi(cfg) -> kk.KimiConfig:

@@ -474,9 +474,27 @@ tiny = {
     "qwen2_1p5b": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=96),
     "dsv4_4l": DSV4_TINY,
-}[name]
+}.get(name)
 g = torch.Generator().manual_seed(0)
-if name == "dsv4_4l":
+ids = torch.randint(2, 60, (2, 12), generator=g)
+extra = {}
+if name == "kimi_k3":
+    from kernels.models import kimi_k3 as R
+    from test_kimi_k3 import K3_DICT, k3_weights
+
+    c = R.kimi_config(K3_DICT)
+    sd = k3_weights(c)
+elif name == "dsv41":
+    from kernels.models import dsv4 as V4
+    from kernels.models import dsv41 as R
+    from megatron_rz.learner.tiny_models import make_tiny_dsv41_checkpoint
+
+    d = tempfile.mkdtemp()
+    make_tiny_dsv41_checkpoint(d, seed=0)
+    c = R.v41_config(d)
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in V4.load_state_dict(d).items()}
+    extra = {"token_map": R.token_map_of(d, c)}
+elif name == "dsv4_4l":
     from kernels.models import dsv4 as R
 
     d = tempfile.mkdtemp()
@@ -492,11 +510,10 @@ else:
     sd = {n: torch.ones(s) if n.endswith("norm.weight") or "layernorm" in n else
           torch.zeros(s) if n.endswith("e_score_correction_bias") else torch.randn(s, generator=g) * 0.1
           for n, s in rg.param_shapes(c).items()}
-ids = torch.randint(2, 96, (2, 12), generator=g)
-ref = R.reference_logprobs(sd, c, ids)
+ref = R.reference_logprobs(sd, c, ids, **extra)
 # the CUDA dispatch on CPU tensors: every kernels.<op> takes its Triton path (interpreted here)
 D.use_triton = lambda *ts: D.backend() == "auto" and any(t is not None for t in ts)
-tri = R.reference_logprobs(sd, c, ids)
+tri = R.reference_logprobs(sd, c, ids, **extra)
 err = (tri - ref).abs().max().item()
 assert torch.isfinite(tri).all() and err < 1e-3, (name, err)
 print(name, "max |dlogp|", err)
@@ -504,13 +521,17 @@ print("interpreted model OK")
 '''
 
 
-@pytest.mark.parametrize("config", ["dsv4_4l", "dsv3_4l", "moe1b", "qwen2_1p5b"])
+@pytest.mark.parametrize("config", ["dsv4_4l", "dsv41", "kimi_k3", "dsv3_4l", "moe1b", "qwen2_1p5b"])
 def test_models_through_the_cuda_dispatch_in_the_interpreter(config):
-    """Each engine family's forward with every kernels.<op> on its Triton path (interpreted on CPU):
+    """Each engine family's forward (DeepSeek-V4 / V4.1 / V3, Kimi K3, Qwen3-MoE, Qwen2) with every
+    kernels.<op> on its Triton path (interpreted on CPU):
     it runs (no op refuses an argument the family passes: the GPU once met DeepSeek-V4's router score
     this way, at engine start) and its log-probs agree with the CPU reference to rounding."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    if config == "dsv41":
+        pytest.importorskip("vllm.models.deepseek_v41.common.engram")  # the V4.1 reference's n-gram hashes
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "unit"))}
     r = subprocess.run([sys.executable, "-c", CHILD_MODEL, config], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
