@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..settings import gemm_small_tiles, gemm_table
+from . import gemm_table as _gemm_table
 
 try:  # host-side TMA descriptors (triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -184,17 +185,11 @@ _table_index: dict = {}  # setting -> (device name, indexed table or None)
 def _table_pick(M: int, K: int, N: int, k_segments: int) -> Optional[str]:
     setting = gemm_table()
     hit = _table_index.get(setting)
-    if hit is None:
-        from . import gemm_table as gt
-
+    if hit is None:  # once per setting and process: the file is read and checked here
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-        path = gt.table_path(setting, device)
-        hit = _table_index[setting] = gt.load_table(path, CONFIGS) if path is not None else {}
-    if not hit:
-        return None
-    from .gemm_table import lookup
-
-    return lookup(hit, M, K, N, k_segments)
+        path = _gemm_table.table_path(setting, device)
+        hit = _table_index[setting] = _gemm_table.load_table(path, CONFIGS) if path is not None else {}
+    return _gemm_table.lookup(hit, M, K, N, k_segments) if hit else None
 
 
 def _pick_config(M: int, K: int, N: int, k_segments: int) -> GemmConfig:
