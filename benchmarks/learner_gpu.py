@@ -136,15 +136,19 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
         torch.cuda.synchronize()
         return time.perf_counter() - t, out
 
+    from benchmarks.machine_probe import probe
+
     first_s, _ = step()
     for _ in range(max(0, warmup - 1)):
         step()
+    probes = [probe()]  # the machine's speed before and after the timed steps (machine_probe.py)
     torch.cuda.reset_peak_memory_stats()
     times, grad_norms = [], []
     for _ in range(steps):
         s, out = step()
         times.append(s)
         grad_norms.append(out["grad_norm"])
+    probes.append(probe())
     from megatron_rz.learner.te_spec import te_version
 
     res = {"config": name, "mode": mode, "learner_spec": learner.spec,
@@ -154,7 +158,7 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
            "step_s": times, "median_s": statistics.median(times), "grad_norm": grad_norms,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "grouped_mm": dict(moe_grad.GROUPED_MM) if moe_grad else None,
            "tokens_per_s": batch * seq / statistics.median(times), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__}
+           "torch": torch.__version__, "probes": probes}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 
@@ -207,6 +211,9 @@ def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: in
                 entry[m] = {"learner_spec": rs[0].get("learner_spec"), "transformer_engine": rs[0].get("transformer_engine"),
                             "median_s": statistics.median(all_steps), "round_medians_s": meds,
                             "spread": max(meds) / min(meds), "peak_gib": max(r["peak_gib"] for r in rs)}
+        from benchmarks.machine_probe import spread
+
+        entry["machine"] = spread([q for rs in ok.values() for r in rs for q in r.get("probes", [])])
         timed = [m for m in modes if m in entry]
         for i, a in enumerate(timed):  # every pair, in the order of --modes: aligned_over_fast_te, ...
             for b in timed[i + 1:]:
@@ -218,6 +225,9 @@ def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: in
     for name, e in report["configs"].items():
         ratios = "".join(f", {k.replace('_over_', '/')} {v:.2f}" for k, v in e.items() if "_over_" in k)
         print(f"{name}: " + ", ".join(f"{m} {e[m]['median_s']:.3f} s" for m in modes if m in e) + ratios)
+        if not e["machine"]["stable"]:
+            print(f"  {name}: the machine's speed moved during the run ({json.dumps(e['machine'])}): "
+                  "do not read these ratios as a measurement", flush=True)
     return report
 
 
