@@ -352,10 +352,17 @@ class _RouteWeights(torch.autograd.Function):
         score, norm, sf = ctx.cfg
         with torch.enable_grad():
             x = logits.detach().float().requires_grad_(True)
-            s = _router.softmax_scores(x) if score == "softmax" else _router.sigmoid_scores(x)
+            if score == "softmax":
+                s = _router.softmax_scores(x)
+            elif score == "sigmoid":
+                s = _router.sigmoid_scores(x)
+            else:  # sqrtsoftplus (DeepSeek-V4)
+                from .dsv4 import sqrtsoftplus
+
+                s = sqrtsoftplus(x)
             w = s.gather(1, ids)
-            if norm:
-                d = w.sum(-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0)
+            if norm:  # the reference's normaliser (kernels/router.py: + 1e-20 except for softmax)
+                d = w.sum(-1, keepdim=True) + (0.0 if score == "softmax" else 1e-20)
                 w = w / d
             w = w * sf
             (gx,) = torch.autograd.grad(w, x, g)

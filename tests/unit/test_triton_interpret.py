@@ -442,6 +442,27 @@ for score in ("sqrtsoftplus", "sigmoid", "softmax"):
     for i in (0, 7, 39):  # one row alone: the same bits as in the batch
         a, b = route(logits[i:i + 1], k, **kw)
         assert torch.equal(a, ids[i:i + 1]) and torch.equal(b, w[i:i + 1]), (score, i)
+# the learner's path: kernels.route with the Triton forward (dispatch) and the reference formula's
+# gradient at the Triton ids, against autograd of the CPU reference
+import kernels.dispatch as D
+
+up = torch.randn(40, k, generator=g)
+for score in ("sqrtsoftplus", "sigmoid", "softmax"):
+    kw = dict(score=score, expert_bias=bias, norm_topk_prob=True, scaling_factor=1.5)
+    x_ref = logits.clone().requires_grad_(True)
+    i_r, w_r = RT.route(x_ref, k, **kw)
+    (w_r * up).sum().backward()
+    use = D.use_triton
+    D.use_triton = lambda *ts: D.backend() == "auto" and any(t is not None for t in ts)
+    try:
+        x_tri = logits.clone().requires_grad_(True)
+        i_t, w_t = D.route(x_tri, k, **kw)
+        (w_t * up).sum().backward()
+    finally:
+        D.use_triton = use
+    assert torch.equal(i_t, i_r), score
+    err = (x_tri.grad - x_ref.grad).abs().max().item()
+    assert err < 1e-5 * max(1.0, x_ref.grad.abs().max().item()), (score, err)
 print("interpreted router OK")
 '''
 
