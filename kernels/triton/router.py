@@ -6,9 +6,10 @@ reference (kernels/router.py, Hugging Face Qwen3-MoE softmax, DeepSeek-V3 ``noau
 DeepSeek-V4's sqrtsoftplus):
 
 * softmax: ``e = exp(x - max(x))``, ``p = e / sum(e)``; sigmoid: ``1 / (1 + exp(-x))`` (libdevice
-  ``exp``, IEEE ``div_rn``); sqrtsoftplus: kernels.dsv4.sqrtsoftplus's steps (``exp`` of ``min(x, 20)``,
-  ``log1p`` as ``log(u) * (e / (u - 1))``, ``x`` above 20, IEEE ``sqrt_rn``). The sum is one ``tl.sum`` over a ``BLOCK_E = next_pow2(E)`` vector with
-  exact-zero padding, i.e. a tree fixed by E alone.
+  ``exp``, IEEE ``div_rn``); sqrtsoftplus: kernels.dsv4.sqrtsoftplus's steps (``exp`` of
+  ``min(x, 20)``, ``log1p`` as ``log(u) * (e / (u - 1))``, ``x`` above 20, IEEE ``sqrt_rn``). The
+  softmax sum is one ``tl.sum`` over a ``BLOCK_E = next_pow2(E)`` vector with exact-zero padding,
+  i.e. a tree fixed by E alone.
 * selection on ``score + bias``; grouped: group score = top1 + top2 of the group (biased), the
   ``group_topk`` best groups kept; top-k over the kept experts.
 * top-k = k rounds of (exact max, then the LOWEST index holding it, then mask it): the same order as
