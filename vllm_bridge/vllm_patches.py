@@ -182,6 +182,52 @@ def _patch_cpu_pp_intermediate_buffer() -> None:
     _APPLIED.append("cpu_pp_intermediate_buffer")
 
 
+ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1022, 0x1023, 18, 158
+
+
+def _patch_cpu_amx_permission() -> None:
+    """vLLM 0.32 CPU bug: where the CPU reports AMX tiles, its bf16 / fp16 kernels (the SGL GEMM of
+    ``check_cpu_sgl_kernel`` and the CPU MoE experts) execute AMX instructions in processes that never
+    asked Linux for the AMX tile state. Linux (>= 5.16) grants it per process on request
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``; oneDNN asks before its own AMX paths,
+    vLLM's kernels do not), so a worker whose first AMX instruction is vLLM's dies of SIGILL.
+    Measured 2026-12-06 on a Xeon VM with amx_tile: every stock-class bf16 engine's worker exited
+    with -4 on its first forward (with ``ONEDNN_MAX_CPU_ISA=AVX2`` it aborted in torch's brgemm check
+    instead), so every fast-mode bf16 leg of benchmarks/stability.py died three times and stopped.
+    Fix: ask once per process (this runs in every vLLM process, before any model is built). Linux
+    x86-64 only; the aligned classes (kernels/) never use AMX and are unaffected either way."""
+    import ctypes
+    import platform
+
+    import torch
+
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    if not torch.cpu._is_amx_tile_supported():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+        import os
+
+        logger.warning("AMX tile permission refused by the kernel (%s): vLLM-CPU's bf16 kernels may die of SIGILL",
+                       os.strerror(ctypes.get_errno()))
+        return
+    _APPLIED.append("cpu_amx_permission")
+
+
+def amx_permitted() -> bool | None:
+    """Whether this process may use AMX tiles (None: not a Linux x86-64 host)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    mask = ctypes.c_uint64(0)
+    if ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+        return None
+    return bool(mask.value >> XFEATURE_XTILEDATA & 1)
+
+
 def apply() -> None:
     import os
 
@@ -205,6 +251,7 @@ def apply() -> None:
             # First: it must run before anything imports the modules with Triton kernels (the
             # MoE patch's imports reach v1/attention/backends/mla/compressor_utils.py).
             _patch_dsv4_triton_interpreter()
+        _patch_cpu_amx_permission()
         _patch_cpu_moe_prepack_on_reload()
         _patch_cpu_pp_intermediate_buffer()
         if dsv4:
