@@ -502,6 +502,11 @@ class CheckpointConfig(_Strict):
     # How a checkpoint is verified before it is loaded: hash re-reads every file against its BLAKE2b
     # digest; size compares sizes only (no re-read: for very large runs).
     verify: Literal["hash", "size"] = "hash"
+    # How many of this run's newest complete checkpoints stay on disk: after each save, older ones
+    # (and older unfinished ones) in this run directory's checkpoints/ are deleted. 0 keeps all. A
+    # long run (checkpoint.every=25 over 20,000 updates: 800 checkpoints) wants 2 or more: the
+    # newest may turn out damaged, and checkpoint.load=latest then falls back to the one before.
+    keep: NonNeg = 0
 
 
 class RuntimeConfig(_Strict):

@@ -11,6 +11,9 @@
   missing, truncated or corrupted file, or with a torn marker is named and skipped for the one
   before. Recipe `checkpoint.verify: size` checks sizes only (no re-read of the files: for very large
   runs; `set_verify` applies it, megatron_rz.launch.runtime calls it).
+- `checkpoint.keep: N` (N > 0) keeps this run's newest N complete checkpoints: after each save rank
+  0 deletes the older ones of the same run directory (`prune_checkpoints`), never a newer or
+  unfinished-newer one (a save in progress), never anything outside `checkpoints/step_*`.
 - metrics.jsonl keeps the rows up to the resumed step and drops the ones a killed run wrote after
   its last checkpoint, so the file reads like one uninterrupted run.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shutil
 from pathlib import Path
 
 # Imported for its side effect too: it catches SLURM's SIGUSR1 from the moment a trainer loads
@@ -44,6 +49,29 @@ def latest_checkpoint(run_dir: Path, log=print) -> Path | None:
             return p
         log(f"[rz] checkpoint {p} skipped: {why}")
     return None
+
+
+def prune_checkpoints(run_dir: Path, keep: int, log=print) -> list[Path]:
+    """Delete the checkpoints of run_dir older than its newest ``keep`` complete ones (those with the
+    COMPLETE marker; a marker is enough here: latest_checkpoint verifies when it loads). Unfinished
+    directories older than the oldest kept one go too (saves killed midway); anything newer than it
+    stays (a save may be in progress). keep <= 0: nothing is deleted. Returns the deleted paths."""
+    root = Path(run_dir) / "checkpoints"
+    if keep <= 0 or not root.is_dir():
+        return []
+    steps = sorted((p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step_\d+", p.name)),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    complete = [p for p in steps if (p / COMPLETE).is_file()]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = int(complete[keep - 1].name[5:])
+    gone = [p for p in steps if int(p.name[5:]) < oldest_kept]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    if gone:
+        log(f"[rz] checkpoint.keep={keep}: deleted {len(gone)} older checkpoint(s) of this run "
+            f"({', '.join(p.name for p in reversed(gone))})")
+    return gone
 
 
 def resolve_load(load: str | None, run_dir: Path) -> Path | None:
@@ -99,4 +127,13 @@ def checkpoint_after_step(learner, recipe, run_dir: Path, step: int) -> None:
     every, total = recipe.checkpoint.every, recipe.schedule.steps
     if every and step % every == 0 and step < total:
         learner.save_checkpoint(checkpoint_dir(run_dir, step), step=step)
+        prune_after_save(recipe, run_dir)
     preemption.checkpoint_and_exit_if_requested(learner, run_dir, step, total)
+
+
+def prune_after_save(recipe, run_dir: Path) -> None:
+    """Rank 0, after a checkpoint save returned: apply checkpoint.keep (prune_checkpoints)."""
+    import torch.distributed as dist
+
+    if recipe.checkpoint.keep and (not dist.is_initialized() or dist.get_rank() == 0):
+        prune_checkpoints(run_dir, recipe.checkpoint.keep)

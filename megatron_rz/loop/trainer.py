@@ -48,7 +48,8 @@ from megatron_rz.loop.metrics import MetricsLogger, plot_run, run_summary
 from megatron_rz.learner.ranks import broadcast_object as broadcast, rank
 from megatron_rz.recipe import Recipe, dump_recipe
 from vllm_bridge.weights import make_transport
-from megatron_rz.loop.resume import checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, resolve_load, truncate_metrics
+from megatron_rz.loop.resume import (checkpoint_after_step, checkpoint_dir, eval_before as logged_eval_before, prune_after_save,
+                                     resolve_load, truncate_metrics)
 from megatron_rz.loop import weights
 from megatron_rz.loop.rollout import InlineRollout, RolloutSide  # noqa: F401 (RolloutSide: rz check / bench import it here)
 
@@ -452,6 +453,7 @@ def train(recipe: Recipe) -> dict:
                 break
 
         learner.save_checkpoint(checkpoint_dir(run_dir, end), step=end)
+        prune_after_save(recipe, run_dir)
         r = recipe.rollout
         final_eval = evaluate(learner, rollout, end - 1, final=True, collective=collective_sync(recipe), verify=r.verify_sync)
         buckets = weights.hf_buckets(learner)  # collective: every rank walks it

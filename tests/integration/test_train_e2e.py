@@ -76,7 +76,11 @@ def test_train_tiny_moe_end_to_end(tmp_path, base):
 
 def test_train_tiny_moe_fast_mode_shows_mismatch(tmp_path, base):
     run_dir = tmp_path / "run_fast"
-    _check_run(run_dir, _rz_train(run_dir, "mode=fast", base=base), aligned=False)
+    # checkpoint.keep: a checkpoint after every update, the newest two kept (step 1's deleted)
+    out = _rz_train(run_dir, "mode=fast", "checkpoint.every=1", "checkpoint.keep=2", base=base)
+    _check_run(run_dir, out, aligned=False)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert "checkpoint.keep=2: deleted 1 older checkpoint(s) of this run (step_000001)" in out.stdout
 
 
 def test_train_tiny_moe_tp2_ep2_through_torchrun(tmp_path, base):

@@ -78,6 +78,7 @@ CASES = [
     (["validate", TINY, "warm_start.lr=-0.1"], ["warm_start.lr=-0.1"]),
     (["validate", TINY, "task.eval_prompts=0"], ["task.eval_prompts=0"]),
     (["validate", TINY, "checkpoint.every=-1"], ["checkpoint.every=-1", ">= 0"]),
+    (["validate", TINY, "checkpoint.keep=-1"], ["checkpoint.keep=-1", ">= 0"]),
     (["validate", TINY, "schedule.max_lag=-1"], ["schedule.max_lag=-1"]),
     (["validate", TINY, "algo.max_bad_updates=0"], ["algo.max_bad_updates=0"]),
     (["validate", TINY, "algo.icepop_low=3"], ["icepop_low=3", "icepop_high"]),
