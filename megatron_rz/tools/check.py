@@ -322,15 +322,17 @@ def _print_setting(report: dict, one: dict) -> None:
     if one.get("localisation"):
         loc = one["localisation"]
         c.print(f"[bold]localisation[/bold]: {loc['summary']}")
-        for who in ("vllm", "learner"):
-            c.print(f"  {who}: {json.dumps(loc[who])}")
+        for who in ("vllm", "learner"):  # a family with its own learner module: vLLM against the learner only
+            if who in loc:
+                label = f"{who} vs the learner" if loc.get("against") == "learner" else f"{who} vs the reference"
+                c.print(f"  {label}: {json.dumps(loc[who])}")
 
 
 def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | list[str] | None = None) -> int:
     report = run_check(recipe, num_prompts, samples, inject_fault)
     if rank() == 0:
+        (recipe.run_dir / "check.json").write_text(json.dumps(report, indent=2))  # first: a report is never lost
         print_report(report)
-        (recipe.run_dir / "check.json").write_text(json.dumps(report, indent=2))
         print(json.dumps({"all_bitwise_equal": report["all_bitwise_equal"], "mode": report["mode"],
                           "learner_spec": report["learner_spec"]}))
     if dist.is_initialized():

@@ -8,6 +8,10 @@ Three traces of the same token sequence, tap by tap in forward order
   decode paths are both covered;
 - the learner: Megatron module forward hooks on the matching modules (tp = 1; with tp > 1 the
   activations are sharded and the learner side is skipped with a note).
+Families with their own learner module (DeepSeek-V4 / V4.1, Kimi: kernels/families.py ``learner``)
+run the reference's layer functions in the learner and in the vLLM class alike, so both record the
+same taps themselves; there the learner is the reference vLLM is compared with (its own full
+forward, the bits `rz check` compares), and the report names where vLLM first leaves it.
 After the forward taps come the two output stages, at the response positions only: `logits` (the
 fp32 lm-head output that predicts each response token; vLLM records it in its sampler) and
 `sampling` (logits -> the processed logprob of the sampled token: temperature, top-k, top-p,
@@ -114,8 +118,17 @@ def learner_trace(learner, ids: list[int], prompt_len: int | None = None,
     if learner.tp > 1:
         return None
     records: list = []
-    with _learner_hooks(learner.model, records):
-        logp = learner.logprobs(torch.tensor([ids]), micro_batch_size=1, **(sampling or {}))
+    if hasattr(learner.model, "decoder"):  # Megatron's GPTModel: hooks on its modules
+        with _learner_hooks(learner.model, records):
+            logp = learner.logprobs(torch.tensor([ids]), micro_batch_size=1, **(sampling or {}))
+    else:  # an own learner module running kernels.models code: its taps record themselves
+        from kernels.models import trace
+
+        trace.start_trace()
+        try:
+            logp = learner.logprobs(torch.tensor([ids]), micro_batch_size=1, **(sampling or {}))
+        finally:
+            records = trace.stop_trace()
     S = len(ids)
     out = {k: v[:S] for k, v in rows_by_tap(records).items()}
     if prompt_len is not None and prompt_len < S:
@@ -150,6 +163,24 @@ def first_divergence(ref: dict[str, torch.Tensor], side: dict[str, torch.Tensor]
     return {"first_diverging_tap": None, "taps_compared": compared}
 
 
+def _vllm_against_learner(seq: list[int], vllm_taps: dict, learner_taps: dict | None, order: list[str]) -> dict:
+    """Localisation for a family with its own learner module: vLLM's taps against the learner's."""
+    report = {"sequence_tokens": len(seq), "against": "learner"}
+    if learner_taps is None:
+        report["vllm"] = {"skipped": "learner taps are sharded at tp > 1; rerun rz check with parallel.tp=1"}
+        report["summary"] = "vLLM not traced against the learner (tp > 1)"
+        return report
+    d = first_divergence(learner_taps, vllm_taps, order)
+    report["vllm"] = d
+    if d["first_diverging_tap"] is None:
+        report["summary"] = ("vLLM equals the learner at every tap (replayed alone: the mismatch needs other "
+                             "sequences in the batch, i.e. a batch-variant op)")
+    else:
+        tap = d["first_diverging_tap"]
+        report["summary"] = f"vLLM leaves the learner first at {TAP_MEANING.get(tap, tap)}"
+    return report
+
+
 def localise(learner, side, base, recipe, prompt_ids: list[int] | None, vllm_sampling: dict | None = None,
              learner_sampling: dict | None = None) -> dict:
     """Collective. Rank 0 (which owns `side`, the rollout) passes the prompt of a mismatching
@@ -175,6 +206,10 @@ def localise(learner, side, base, recipe, prompt_ids: list[int] | None, vllm_sam
     learner_taps = learner_trace(learner, seq, prompt_len, learner_sampling or contract)
     if side is None:
         return {}
+    from kernels.families import family
+
+    if family(recipe.model.arch).learner is not None:
+        return _vllm_against_learner(seq, vllm_taps, learner_taps, order)
     ref = reference_trace(str(base), seq, recipe.model.dtype, prompt_len, contract)
     report = {"sequence_tokens": len(seq), "vllm": first_divergence(ref, vllm_taps, order)}
     report["learner"] = (first_divergence(ref, learner_taps, order) if learner_taps is not None

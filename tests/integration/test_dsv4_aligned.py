@@ -122,21 +122,46 @@ def test_selection_ignores_entries_not_ready():
     assert torch.equal(kernels.select_entries(scores[:, :3], torch.tensor([3]), topk=2), keep[:, :3])
 
 
-def test_rz_check_aligned_dsv4_is_bitwise(tmp_path):
-    """Real vLLM (our aligned class) vs the real Megatron learner on the tiny recipe shrunk to SMALL:
-    prompts carry 32 solved examples (~300 tokens), past the window and the x128 compression."""
-    cmd = [sys.executable, "-m", "megatron_rz.cli", "check", str(ROOT / "recipes" / "tiny_dsv4.yaml"),
-           f"logging.run_dir={tmp_path}", "warm_start.steps=5", "rollout.max_new_tokens=6", "logging.progress=false",
-           *SMALL, "--prompts", "4", "--samples", "2"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
-                         env={**os.environ, "WANDB_MODE": "offline"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+@pytest.fixture(scope="module")
+def check_dir(tmp_path_factory) -> Path:
+    """One run directory (one warm start) for both rz check runs below."""
+    return tmp_path_factory.mktemp("dsv4_check")
+
+
+def _rz_check(run_dir: Path, *extra: str, prompts: int = 4):
     import json
 
-    report = json.loads((tmp_path / "check.json").read_text())
+    cmd = [sys.executable, "-m", "megatron_rz.cli", "check", str(ROOT / "recipes" / "tiny_dsv4.yaml"),
+           f"logging.run_dir={run_dir}", "warm_start.steps=5", "rollout.max_new_tokens=6", "logging.progress=false",
+           *SMALL, "--prompts", str(prompts), "--samples", "2", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                         env={**os.environ, "WANDB_MODE": "offline"})
+    report = json.loads((run_dir / "check.json").read_text()) if (run_dir / "check.json").exists() else None
+    return out, report
+
+
+def test_rz_check_aligned_dsv4_is_bitwise(check_dir):
+    """Real vLLM (our aligned class) vs the real Megatron learner on the tiny recipe shrunk to SMALL:
+    prompts carry 32 solved examples (~300 tokens), past the window and the x128 compression."""
+    out, report = _rz_check(check_dir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert report["all_bitwise_equal"] is True
     for name, s in report["scenarios"].items():
         assert s["tokens"] > 0 and s["frac_bitwise"] == 1.0, name
+
+
+def test_rz_check_dsv4_localises_a_vllm_fault_against_the_learner(check_dir):
+    """V4's learner is its own module (no Megatron GPTModel to hook): the localiser records both
+    sides' taps (the same kernels.models.dsv4 layer code) and names where vLLM first leaves the
+    learner. Fault: layer 1's FFN norm weight scaled in vLLM only, so every tap before layer1.mlp_norm
+    must be equal and that one must differ."""
+    out, report = _rz_check(check_dir, "--inject-fault", "vllm:layers.1.ffn_norm.weight", prompts=2)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-5000:]
+    loc = report["localisation"]
+    assert loc["against"] == "learner", loc
+    assert loc["vllm"]["first_diverging_tap"] == "layer1.mlp_norm", loc
+    assert loc["vllm"]["taps_equal_before"] == 9 and loc["vllm"]["max_abs_diff"] > 0, loc
+    assert "vLLM leaves the learner first at layer1.mlp_norm" in out.stdout
 
 
 @pytest.fixture(scope="module")
