@@ -46,7 +46,7 @@ from vllm_bridge.weights.verify import check_weights, readable
 logger = logging.getLogger("vllm_bridge.engine")
 
 WORKER_EXTENSION = "vllm_bridge.worker_ext.WeightSyncExtension"
-__all__ = ["RolloutEngine", "RolloutEngineError", "aligned_model_runner", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES",
+__all__ = ["RolloutEngine", "RolloutEngineError", "aligned_model_runner", "cpu_onednn_isa_refusal", "WeightSyncError", "check_weights", "DEFAULT_BUCKET_BYTES",
            "stock_deepseek_v4_cpu_refusal"]
 
 # Environment of a torchrun / SLURM learner process. vLLM's engine core and workers would read
@@ -202,6 +202,26 @@ def aligned_model_runner(model_dir: str, cuda: bool) -> str:
     if not cuda or f is None or f.moe or f.attention != "gqa":
         return "v1"
     return "v2"
+
+
+def cpu_onednn_isa_refusal(dtype: str, aligned: bool) -> str | None:
+    """Why a stock (fast-mode) vLLM-CPU engine in bf16 / fp16 cannot run under this process's
+    ONEDNN_MAX_CPU_ISA, or None. vLLM-CPU 0.32 packs its bf16 linears for torch's brgemm, which on
+    an AMX CPU needs oneDNN's AMX code paths; a cap below them (ONEDNN_MAX_CPU_ISA=AVX2, what
+    reproducible CPU runs pin) makes the worker abort on its first forward (measured on this
+    project's CPU box). The aligned classes never reach those GEMMs."""
+    if aligned or dtype not in ("bfloat16", "bf16", "float16", "fp16", "half"):
+        return None
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if not isa or isa in ("ALL", "DEFAULT") or "AMX" in isa:
+        return None
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    return (f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}: stock vLLM-CPU's {dtype} GEMMs need oneDNN's AMX "
+            "code paths on this CPU and abort without them; unset ONEDNN_MAX_CPU_ISA for this run, or roll out in "
+            "float32 (rollout.dtype=float32)")
 
 
 def _is_mla_config(model_dir: str) -> bool:
@@ -374,8 +394,12 @@ class RolloutEngine:
                 kwargs.update(vllm_compat.aligned_engine_kwargs(cuda_graphs=graphs))
             else:
                 kwargs.update(enforce_eager=bool(enforce_eager), enable_chunked_prefill=True)
-        elif enforce_eager is None:
-            kwargs["enforce_eager"] = True  # vLLM-CPU
+        else:
+            why = cpu_onednn_isa_refusal(str(dtype), aligned)
+            if why is not None:
+                raise RolloutEngineError(why)
+            if enforce_eager is None:
+                kwargs["enforce_eager"] = True  # vLLM-CPU
         if aligned:
             # Our kernels-backed model class for the checkpoint's architecture (vllm_bridge.aligned).
             kwargs["hf_overrides"] = {"architectures": [_aligned_architecture(self.model_dir)]}

@@ -34,3 +34,24 @@ def test_the_plugin_asks_for_amx_tiles_where_the_cpu_has_them():
         assert out == ["False", "True", "True"], out
     else:
         assert out[1:] == ["False", "False"] or out[1:] == ["None", "False"], out
+
+
+@pytest.mark.parametrize("isa,dtype,aligned,refused", [
+    ("AVX2", "bfloat16", False, True),          # what reproducible CPU runs pin: stock bf16 aborts under it
+    ("avx512_core", "float16", False, True),
+    ("AVX2", "float32", False, False),          # fp32 GEMMs do not pack for brgemm
+    ("AVX2", "bfloat16", True, False),          # the aligned classes never reach vLLM's GEMMs
+    ("AVX512_CORE_AMX", "bfloat16", False, False),
+    ("ALL", "bfloat16", False, False),
+    ("", "bfloat16", False, False),
+])
+def test_stock_bf16_engine_is_refused_under_an_isa_cap_without_amx(monkeypatch, isa, dtype, aligned, refused):
+    from vllm_bridge.engine import cpu_onednn_isa_refusal
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("the abort needs an AMX CPU")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    why = cpu_onednn_isa_refusal(dtype, aligned)
+    assert (why is not None) == refused, why
+    if refused:
+        assert why.startswith(f"ONEDNN_MAX_CPU_ISA={isa}:") and "\n" not in why and "rollout.dtype=float32" in why
