@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence, Union
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -67,12 +69,22 @@ def _triton_ok() -> bool:
     return _TRITON_OK
 
 
+# Diagnosis only: with TRITON_INTERPRET=1 and RZ_TRITON_ON_CPU=1 every op takes its GPU (Triton) path
+# on CPU tensors too, interpreted, in every process that inherits the environment (a CPU `rz check`
+# then runs the GPU's kernels on both sides, learner and vLLM worker; slow).
+_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("RZ_TRITON_ON_CPU") == "1"
+
+
 def use_triton(*tensors: Optional[torch.Tensor]) -> bool:
     """True when the first tensor is on CUDA, the backend is auto and Triton is usable."""
     if backend() != "auto":
         return False
     t = next((t for t in tensors if t is not None), None)
-    return t is not None and t.is_cuda and _triton_ok()
+    if t is None:
+        return False
+    if _TRITON_ON_CPU:
+        return True
+    return t.is_cuda and _triton_ok()
 
 
 def _needs_grad(*ts: Optional[torch.Tensor]) -> bool:

@@ -164,6 +164,12 @@ class _FiniteChecks:
 def _record_step(sampler, finite: torch.Tensor, logits: torch.Tensor, token_lp: torch.Tensor) -> None:
     """A step's finiteness flag into the sampler's pending checks (read once the GPU is done with
     it), and the localiser's taps."""
+    if not finite.is_cuda:  # the GPU path interpreted on CPU (kernels.dispatch, RZ_TRITON_ON_CPU): no stream
+        if not bool(finite):
+            raise AlignedSamplingError("aligned sampler: a sampled token has a non-finite logprob (non-finite "
+                                       "logits from the model): a bug")
+        _trace(logits, token_lp)
+        return
     checks = getattr(sampler, "_rz_finite", None)
     if checks is None:
         checks = sampler._rz_finite = _FiniteChecks()

@@ -588,3 +588,19 @@ def test_models_through_the_cuda_dispatch_in_the_interpreter(config):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "interpreted model OK" in r.stdout
+
+
+def test_triton_on_cpu_diagnosis_switch_routes_cpu_tensors_to_the_gpu_path():
+    """RZ_TRITON_ON_CPU=1 with TRITON_INTERPRET=1 (kernels.dispatch): every op takes its Triton path on
+    CPU tensors, so a CPU `rz check` runs the GPU's kernels on both sides; without it, CPU tensors
+    take the exact CPU ops."""
+    pytest.importorskip("triton")
+    code = ("import torch, kernels, kernels.dispatch as D; x = torch.randn(3, 64); w = torch.ones(64); "
+            "print(D.use_triton(x), torch.equal(kernels.rms_norm(x, w), kernels.rms_norm(x, w)))")
+    base = {**os.environ, "PYTHONPATH": str(ROOT)}
+    on = subprocess.run([sys.executable, "-c", code], env={**base, "TRITON_INTERPRET": "1", "RZ_TRITON_ON_CPU": "1"},
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    off = subprocess.run([sys.executable, "-c", code], env={**base, "TRITON_INTERPRET": "1", "RZ_TRITON_ON_CPU": "0"},
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert on.stdout.split() == ["True", "True"], on.stdout + on.stderr[-2000:]
+    assert off.stdout.split() == ["False", "True"], off.stdout + off.stderr[-2000:]
