@@ -204,8 +204,13 @@ class _ProcessLoop:
         self.newest = None
         t0 = time.perf_counter()
         update = WeightUpdate(v, paths)
-        self.gen.swap_weights(v, update=update)
         r = self.recipe.rollout
+        if r.verify_sync:
+            # before the swap: asking a stock class (mode=fast) for its layout is what makes its worker
+            # take each checkpoint tensor's bits as loaded, before vLLM packs it (worker_ext
+            # rz_verify_layout / _rz_capture_loaded); asked after, the first verified sync finds nothing
+            self._layout()
+        self.gen.swap_weights(v, update=update)
         if r.verify_sync and (v % r.verify_every == 0 or v == self.p.v0 + self.p.total):
             self._verify(update)
         if self.side.restartable:  # keep the files of the weights the engine holds (a restart loads them)
@@ -216,11 +221,15 @@ class _ProcessLoop:
             self._drop(paths)
         self.p.swap_s += time.perf_counter() - t0
 
-    def _verify(self, update: WeightUpdate) -> None:
-        """Every parameter of every worker against the version's files (vllm_bridge.weights.verify.SyncCheck)."""
+    def _layout(self) -> list[dict]:
+        """The engine workers' verification layout, asked once per engine (a restart asks again)."""
         if getattr(self, "_verify_of", None) is not self.side.engine:
             self._verify_layout, self._verify_of = SyncCheck.layout_of(self.side.engine), self.side.engine
-        SyncCheck(self._verify_layout).named(update.named_tensors()).verify(self.side.engine, update.version)
+        return self._verify_layout
+
+    def _verify(self, update: WeightUpdate) -> None:
+        """Every parameter of every worker against the version's files (vllm_bridge.weights.verify.SyncCheck)."""
+        SyncCheck(self._layout()).named(update.named_tensors()).verify(self.side.engine, update.version)
 
     def restart(self, error: Exception) -> None:
         """A new local engine in place of the dead one (see the class docstring); re-raises

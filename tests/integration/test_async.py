@@ -190,6 +190,20 @@ def test_async_run_lag_bound_and_metrics(async_run):
     assert _wait_gone(pids, 5) == []  # rollout process and its vLLM processes are gone
 
 
+def test_async_fast_mode_verifies_every_sync(tmp_path, base_model):
+    """mode=fast through the rollout process (max_lag=1), every sync verified (SHORT: verify_every=1).
+    A stock class's worker takes each checkpoint tensor's bits as loaded, before vLLM packs it, only
+    once its layout was asked: the rollout process once asked after the first swap, so every fast
+    async run stopped at its first sync (WeightSyncError, 69/69 "not reported")."""
+    run_dir = tmp_path / "run"
+    _prep(run_dir, base_model)
+    out = subprocess.run(_cmd(run_dir, "schedule.steps=3", "schedule.max_lag=1", "mode=fast"),
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in rows if "lag_mean" in r] == [1, 2, 3]
+
+
 def test_async_lag0_tokens_have_w_exactly_one_in_aligned_mode(async_run):
     run_dir, out, mode = async_run
     if mode != "aligned":
