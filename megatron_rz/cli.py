@@ -137,6 +137,17 @@ def _load(args):
         why = None if torch.cuda.is_available() else stock_deepseek_v4_cpu_refusal()
         if why:
             raise RecipeError(why)
+    if recipe.mode == "fast" and recipe.rollout.where == "local":
+        import torch
+
+        from vllm_bridge.engine import cpu_onednn_isa_refusal
+
+        # stock vLLM-CPU in bf16 under an ONEDNN_MAX_CPU_ISA cap without AMX, on an AMX CPU: its
+        # worker would abort on the first forward; refused here, before the warm start
+        why = None if torch.cuda.is_available() else cpu_onednn_isa_refusal(
+            recipe.rollout.dtype or recipe.model.dtype, aligned=False)
+        if why:
+            raise RecipeError(why)
     # TE layers asked for (a fast learner; `rz bench step/async` run a fast leg whatever the mode):
     # refused here, before any warm start or engine, where Transformer Engine cannot run
     if recipe.runtime.te == "on" and (recipe.mode == "fast" or getattr(args, "cmd", None) == "bench") \

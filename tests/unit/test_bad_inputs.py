@@ -155,6 +155,18 @@ def test_bad_input_is_one_line_exit_2_nothing_touched(workdir, capsys, argv, fra
     assert_refused(workdir, capsys, argv, fragments)
 
 
+def test_stock_bf16_rollout_under_an_isa_cap_is_refused_before_anything_starts(workdir, capsys, monkeypatch):
+    """Fast mode rolls out in stock vLLM-CPU: in bf16 on an AMX CPU its worker aborts under an
+    ONEDNN_MAX_CPU_ISA cap without AMX, so the run is refused in one line before the warm start."""
+    import torch
+
+    if torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported():
+        pytest.skip("the refusal applies to a CPU with AMX tiles and no CUDA")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert_refused(workdir, capsys, ["check", TINY, "mode=fast", "rollout.dtype=bfloat16"],
+                   ["ONEDNN_MAX_CPU_ISA=AVX2", "rollout.dtype=float32"])
+
+
 def test_debug_shows_the_traceback(workdir, capsys):
     assert cli.main(["validate", TINY, "algo.lr=-1", "--debug"]) == 2
     err = capsys.readouterr().err
