@@ -129,6 +129,8 @@ def run(root: Path, recipe: str, legs: list[tuple[str, int]], steps: int, slice_
         if {k: old.get(k) for k in keys} != {k: meta[k] for k in keys}:
             raise SystemExit(f"stability: {root} holds an experiment with recipe/overrides {old.get('recipe')} "
                              f"{old.get('overrides')}; continue it with the same ones or give another --root")
+        # an invocation may advance only some legs (e.g. the ones behind): the experiment keeps all of them
+        meta["legs"] = list(dict.fromkeys(list(old.get("legs", [])) + meta["legs"]))
     mf.write_text(json.dumps(meta, indent=1))
     base = root / "base_model"
     log = root / "stability.log"
