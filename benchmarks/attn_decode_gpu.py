@@ -9,7 +9,7 @@ A shape ``BxL``: B sequences of L keys each, one query each (heads ``Hq/Hkv`` of
 call (CUDA events over ``--iters`` calls replayed from CUDA graphs: kernel time without Python's
 launch cost, as the engine's decode graphs run) of ``kernels.triton.attn.paged_attention``
 at ``splits`` = 1 (one pass), the default (:func:`decode_splits`) and one program per chunk, with
-64-row programs and with 16-row ones (``rows``), and of FlashAttention 3's
+64-row programs and with 16-row ones (``rows``), each split plan also with its fused merge (``_fm``), and of FlashAttention 3's
 ``flash_attn_varlen_func`` with a block table (what stock vLLM runs on Hopper); and whether every
 plan gave the one-pass 64-row kernel's bits (``torch.equal``, per plan in ``equal``).
 """
@@ -94,6 +94,13 @@ def run(shapes: list[tuple[int, int]], iters: int, heads: list[tuple[int, int]],
                     key = f"r{rows}_splits{s}"
                     row["us"][key] = round(_time(f, iters), 2)
                     row["equal"][key] = bool(torch.equal(o, one))
+                    if s > 1 or rows < 64:  # the same plan with the fused merge (one launch)
+                        o2 = torch.empty_like(q)
+                        f2 = lambda s=s, o=o2, r=rows: A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5,  # noqa: E731
+                                                                         max_q_len=1, out=o, splits=s, rows=r,
+                                                                         fused_merge=True)
+                        row["us"][key + "_fm"] = round(_time(f2, iters), 2)
+                        row["equal"][key + "_fm"] = bool(torch.equal(o2, one))
             row["every_plan_equals_one_pass"] = all(row["equal"].values())
             # what-if: another KV_CHUNK (a different numerics contract: bits differ from the
             # contract's, so only its own plans are compared), default split plan, 64 and 16 rows

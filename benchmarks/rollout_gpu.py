@@ -392,6 +392,9 @@ ENGINE_KINDS = {
     # the aligned class with 16-row split-KV decode programs (kernels.settings.set_decode_rows: a
     # launch plan only where the GPU gives the 64-row tile's bits, which the GPU tests check)
     "aligned_r16": (True, {"RZ_DECODE_ROWS": "16"}),
+    # the aligned class with the split-KV decode's fused merge (the last program folds the chunk
+    # states: one attention launch per decode layer instead of two; kernels.settings.set_decode_fused_merge)
+    "aligned_fm": (True, {"RZ_DECODE_FUSED_MERGE": "1"}),
     # the aligned class on vLLM's V2 GPU model runner (stock's default for dense models, and so the
     # aligned engine's for them: vllm_bridge.engine.aligned_model_runner; the sampler patch's V2 half,
     # vllm_bridge.sampler_patch.apply_v2), and on the V1 runner (the aligned default before)

@@ -12,6 +12,8 @@ reported log-probability. ``RZ_FUSED_SAMPLER`` (``0`` | ``1``, default 0) is a l
 sampler (speed only, never a bit): fused (``log_softmax`` in two launches, the draw kernel writing
 the sampled token's logprob and the finiteness flag) or the unfused plans. ``RZ_DECODE_ROWS``
 (``64`` | ``16``, default 64): rows per split-KV decode program (see set_decode_rows).
+``RZ_DECODE_FUSED_MERGE`` (``0`` | ``1``, default 0): the split-KV decode's chunk states folded by the
+last program of each (sequence, KV head) instead of a second kernel (see set_decode_fused_merge).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _batched_draw = os.environ.get("RZ_BATCHED_DRAW", "1") != "0"
 _fused_sampler = os.environ.get("RZ_FUSED_SAMPLER", "0") == "1"  # opt-in: see set_fused_sampler
 _decode_rows = int(os.environ.get("RZ_DECODE_ROWS", "64") or 64)  # opt-in: see set_decode_rows
 _gemm_table = os.environ.get("RZ_GEMM_TABLE", "auto") or "auto"
+_decode_fused_merge = os.environ.get("RZ_DECODE_FUSED_MERGE", "0") == "1"  # opt-in: see set_decode_fused_merge
 
 
 def set_backend(name: str) -> None:
@@ -94,6 +97,22 @@ def set_decode_rows(rows: int) -> None:
 
 def decode_rows() -> int:
     return _decode_rows
+
+
+def set_decode_fused_merge(on: bool) -> None:
+    """Split-KV paged decode: fold the chunk states in the split kernel itself, one launch per
+    layer instead of two. Every program of a (sequence, KV head) checks in on a counter after
+    writing its chunk states; the last one folds them in chunk order with the merge kernel's
+    operations (``_merge`` / ``_finish``, elementwise, FMA contraction off) and resets the counter
+    for the next launch (CUDA-graph replays included). Same bits as the second kernel by
+    construction; a launch plan only once ``tests/gpu`` has checked it on the machine (the
+    cross-program ordering is the GPU's), hence opt-in (``RZ_DECODE_FUSED_MERGE=1``)."""
+    global _decode_fused_merge
+    _decode_fused_merge = bool(on)
+
+
+def decode_fused_merge() -> bool:
+    return _decode_fused_merge
 
 
 def set_fused_work_list(on: bool) -> None:

@@ -370,14 +370,21 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr, o_ptr,
 
 @triton.jit
 def _paged_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr, wm_ptr, wl_ptr, wacc_ptr, NC, NSPLIT,
-                        sq_t, sq_h, s_blk, s_kvh, s_slot, s_bt, scale,
+                        sq_t, sq_h, s_blk, s_kvh, s_slot, s_bt, scale, cnt_ptr, o_ptr, so_t, so_h,
                         GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_CHUNK: tl.constexpr,
+                        FUSED: tl.constexpr = False):
     """Decode over a paged cache, split-KV: program (s, b, kh) computes the chunks c = s, s + NSPLIT,
     ... of sequence b's keys, each from a fresh state exactly as ``_rows_chunked`` does, and stores
     every chunk's raw state (m, l, acc) at ws[(b, head), c]; ``_paged_merge_kernel`` folds them in
-    chunk order. Rows: the GQA group's heads of b's one query (a sequence without a query: nothing)."""
+    chunk order. Rows: the GQA group's heads of b's one query (a sequence without a query: nothing).
+
+    ``FUSED``: no merge kernel. After its stores each program checks in on ``cnt_ptr[b, kh]`` (a CTA
+    barrier, then one release/acquire atomic at GPU scope: the threadfence-reduction pattern); the
+    program that checks in last folds the group's chunk states in chunk order with ``_merge`` /
+    ``_finish`` (the merge kernel's elementwise operations, so the same bits), writes the output and
+    sets the counter back to 0 for the next launch."""
     s = tl.program_id(0)
     b = tl.program_id(1)
     kh = tl.program_id(2)
@@ -406,6 +413,24 @@ def _paged_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, seqlen_ptr, wm_ptr,
             tl.store(wl_ptr + row * NC + c, l_c, mask=mm)
             tl.store(wacc_ptr + (row * NC + c)[:, None] * DV + rdv[None, :], acc_c,
                      mask=mm[:, None] & (rdv[None, :] < DV))
+        if FUSED:
+            cnt = cnt_ptr + b.to(tl.int64) * tl.num_programs(2) + kh
+            tl.debug_barrier()  # every thread's chunk-state stores, before the release below
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+                M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                L = tl.zeros((BLOCK_M,), tl.float32)
+                ACC = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+                mv = mm[:, None] & (rdv[None, :] < DV)
+                for c in range(0, tl.cdiv(L_b, KV_CHUNK)):  # the other programs' states: read from L2
+                    m_c = tl.load(wm_ptr + row * NC + c, mask=mm, other=float("-inf"), cache_modifier=".cg")
+                    l_c = tl.load(wl_ptr + row * NC + c, mask=mm, other=0.0, cache_modifier=".cg")
+                    acc_c = tl.load(wacc_ptr + (row * NC + c)[:, None] * DV + rdv[None, :], mask=mv, other=0.0,
+                                    cache_modifier=".cg")
+                    M, L, ACC = _merge(M, L, ACC, m_c, l_c, acc_c)
+                out = _finish(L, ACC)
+                tl.store(o_ptr + qrow * so_t + h[:, None] * so_h + rdv[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=mv)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch / replay
 
 
 @triton.jit
@@ -432,6 +457,23 @@ SPLIT_PROGRAMS_PER_SM = 8
 # and never more than this much fp32 chunk-state workspace (else the one-pass kernel)
 SPLIT_WORKSPACE_BYTES = 256 << 20
 _SM_COUNT: dict = {}
+# fused merge: one int32 check-in counter per (sequence, KV head) of a launch, zero between launches
+# (the last program of each resets its own), one buffer per device. Launches on one device must not
+# overlap (the engine's forward runs on one stream); batches needing more counters use the merge kernel.
+MERGE_COUNTERS = 1 << 16
+_COUNTERS: dict = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
+    """The device's zeroed counter buffer (made on first use: in a CUDA graph capture its memset is
+    captured too, harmless), or None when a batch needs more than ``MERGE_COUNTERS``."""
+    if n > MERGE_COUNTERS:
+        return None
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 def _sm_count(device: torch.device) -> int:
@@ -464,7 +506,7 @@ def decode_tile(group: int, rows: Optional[int] = None) -> tuple[int, int]:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_q_len: int,
                     out: torch.Tensor, num_seqs: Optional[int] = None, splits: Optional[int] = None,
-                    rows: Optional[int] = None) -> torch.Tensor:
+                    rows: Optional[int] = None, fused_merge: Optional[bool] = None) -> torch.Tensor:
     """Causal attention over a paged KV cache, written into ``out[Tq, Hq, Dv]`` (rows of other
     tokens are left untouched).
 
@@ -484,7 +526,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     width (host-known), so a captured graph serves every length up to it. ``rows``: query rows per
     split program (:func:`decode_tile`; default ``settings.decode_rows()``, 64): 16 rows run one
     warp with each warp's layout of the 64-row tile, a launch plan only where the GPU gives the
-    64-row tile's bits (checked on the machine by the GPU tests).
+    64-row tile's bits (checked on the machine by the GPU tests). ``fused_merge`` (default
+    ``settings.decode_fused_merge()``): the last split program of each (sequence, KV head) folds the
+    chunk states instead of a second kernel (one launch; the same operations in the same order).
 
     Bitwise :func:`attention` / :func:`attention_batched` on the same keys (same tiles, chunks,
     order): prefill, chunked prefill and decode of a sequence give the bits the learner's
@@ -517,13 +561,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             wm = torch.empty(B * Hq, nc, device=q.device, dtype=torch.float32)
             wl = torch.empty_like(wm)
             wacc = torch.empty(B * Hq, nc, Dv, device=q.device, dtype=torch.float32)
+            fused = settings.decode_fused_merge() if fused_merge is None else bool(fused_merge)
+            cnt = _merge_counters(q.device, B * Hkv) if fused else None
             _paged_split_kernel[(int(splits), B, Hkv)](
                 q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, wm, wl, wacc, nc, int(splits),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                block_table.stride(0), float(scale),
+                block_table.stride(0), float(scale), cnt if cnt is not None else seq_lens, out,
+                out.stride(0), out.stride(1),
                 GROUP=G, D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
-                PAGE=PAGE, BLOCK_M=tile, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, num_warps=warps,
-                num_stages=2, enable_fp_fusion=False)
+                PAGE=PAGE, BLOCK_M=tile, BLOCK_N=BLOCK_N, KV_CHUNK=KV_CHUNK, FUSED=cnt is not None,
+                num_warps=warps, num_stages=2, enable_fp_fusion=False)
+            if cnt is not None:
+                return out
             _paged_merge_kernel[(B * Hq,)](wm, wl, wacc, cu_seqlens_q, seq_lens, out, Hq, nc, out.stride(0),
                                            out.stride(1), DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
                                            KV_CHUNK=KV_CHUNK, num_warps=1, enable_fp_fusion=False)

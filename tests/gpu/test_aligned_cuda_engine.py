@@ -110,6 +110,53 @@ def test_paged_split_decode_equals_one_pass_any_split_and_in_a_graph():
     assert A.decode_splits(1, 4, 16, 132) == 16 and A.decode_splits(512, 4, 16, 132) == 1 and A.decode_splits(256, 4, 16, 132) == 2
 
 
+@pytest.mark.parametrize("rows", [64, 16])
+def test_paged_decode_fused_merge_equals_the_merge_kernel(rows):
+    """The fused merge (``RZ_DECODE_FUSED_MERGE``: the last split program of each (sequence, KV
+    head) folds the chunk states; one launch instead of two) against the one-pass kernel: every
+    split, padded requests, and 50 replays of a CUDA graph captured at other lengths whose lengths
+    change between replays (the check-in counters must be back at 0 after every launch). This is
+    the measurement that decides whether it is a launch plan on this GPU."""
+    need_cuda()
+    from kernels.triton import attn as A
+
+    lens = [1, 63, 255, 256, 257, 700, 1030, 2047, 2600, 64, 5, 1500]
+    nq = [1] * len(lens)
+    q, kc, vc, bt, cu, pos, kcont, vcont, sl = _paged_setup(lens, nq, Hq=12, Hkv=2, seed=5)
+    D = q.shape[-1]
+    ref = A.attention_batched(q, kcont, vcont, cu, pos, D ** -0.5, max_q_len=1, split_kv=False)
+    nc = (bt.shape[1] * kc.shape[2] + A.KV_CHUNK - 1) // A.KV_CHUNK
+    for splits in (2, 3, 5, nc, None):
+        out = torch.full_like(ref, float("nan"))
+        A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=out, splits=splits, rows=rows,
+                          fused_merge=True)
+        assert torch.equal(out, ref), (rows, splits, (out.float() - ref.float()).abs().max().item())
+    assert int(A._COUNTERS[str(q.device)].abs().sum()) == 0
+    cu_pad = torch.cat([cu, cu[-1:].repeat(3)])
+    sl_pad = torch.cat([sl, torch.zeros(3, device="cuda", dtype=torch.int32)])
+    bt_pad = torch.cat([bt, torch.zeros(3, bt.shape[1], device="cuda", dtype=torch.int32)])
+    out = torch.full_like(ref, float("nan"))
+    A.paged_attention(q, kc, vc, bt_pad, cu_pad, sl_pad, D ** -0.5, max_q_len=1, out=out, splits=4, rows=rows,
+                      fused_merge=True)
+    assert torch.equal(out, ref)
+    # a graph captured at length 1, replayed at shorter and full lengths in turn
+    sl_g = torch.ones_like(sl)
+    out_g = torch.zeros_like(ref)
+    A.paged_attention(q, kc, vc, bt, cu, sl_g, D ** -0.5, max_q_len=1, out=out_g, splits=6, rows=rows, fused_merge=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.paged_attention(q, kc, vc, bt, cu, sl_g, D ** -0.5, max_q_len=1, out=out_g, splits=6, rows=rows,
+                          fused_merge=True)
+    half = torch.clamp(sl // 2, min=1)
+    ref_half = A.attention_batched(q, kcont, vcont, cu, half - 1, D ** -0.5, max_q_len=1, split_kv=False)
+    for i in range(50):
+        sl_g.copy_(sl if i % 2 == 0 else half)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, ref if i % 2 == 0 else ref_half), (rows, i)
+    assert int(A._COUNTERS[str(q.device)].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("Hq,Hkv", [(16, 4), (32, 4), (12, 2), (16, 16), (16, 1), (8, 8)])
 def test_paged_decode_with_fewer_rows_per_program_equals_the_64_row_tile(Hq, Hkv):
     """The 16-row split-KV decode programs (``rows``, ``RZ_DECODE_ROWS``) against the 64-row

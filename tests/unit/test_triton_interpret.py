@@ -4,7 +4,8 @@ plans, the bits come from the GPU tests (tests/gpu), but their indexing, masking
 the same code, so a wrong index shows here without a GPU.
 
 * the split-KV paged decode (any number of programs per sequence) == the one-pass kernel,
-  bitwise, with padded requests, and close to a float64 softmax attention;
+  bitwise, with padded requests, and close to a float64 softmax attention; so is its fused merge
+  (the last program folds; its check-in counters are back at 0 afterwards);
 * the one-kernel MoE work list == the torch sort / scan work list, value for value;
 * RMSNorm read through the strides of q / k head slices == RMSNorm of their contiguous copies;
 * the batched keyed draw: greedy rows argmax, draws inside a kept set, a keyed row's token the same
@@ -60,6 +61,13 @@ for splits in (2, 3, 4, 7, 64):
     o = torch.full_like(one, float("nan"))
     A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=o, splits=splits)
     assert torch.equal(o, one), splits
+# the fused merge (the last program of each (sequence, KV head) folds, no merge kernel): the same
+# output, padded requests untouched, and every check-in counter back at 0 for the next launch
+for splits in (3, 7):
+    o = torch.full_like(one, float("nan"))
+    A.paged_attention(q, kc, vc, bt, cu, sl, D ** -0.5, max_q_len=1, out=o, splits=splits, fused_merge=True)
+    assert torch.equal(o, one), ("fused", splits)
+    assert int(A._COUNTERS["cpu"].abs().sum()) == 0, splits
 # 16-row decode programs (one warp): the same masks, rows and chunk states; in the interpreter
 # the dot is numpy's, so this checks the plan's indexing, not the GPU's MMA bits
 for rows in (16,):
