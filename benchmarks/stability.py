@@ -17,7 +17,9 @@ checkpoint.load=latest schedule.time_limit_s=SLICE``: every slice ends at an upd
 its checkpoint and continues from it), until every leg has ``--steps`` updates or ``--budget-s``
 has passed. Run it again later, with the same ``--root``, to continue: nothing is restarted or
 overwritten. Each leg is ``DIR/<mode>_lag<L>``, a normal run directory (metrics.jsonl, plots,
-checkpoints).
+checkpoints). ``--legs`` may name only some legs (e.g. the ones behind); the experiment keeps them
+all. Stop it with SIGTERM (or Ctrl-C): the running leg checkpoints after its update and exits
+before the runner does.
 
 ``report`` reads the legs' metrics and writes ``report.json`` / ``report.md`` and overlay plots per
 lag into ``--out`` (a new directory, or one written by an earlier report of the same legs): per leg
@@ -46,6 +48,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -90,7 +93,26 @@ def _updates(run_dir: Path) -> int:
 FAST_LEG_UNSET = ("ONEDNN_MAX_CPU_ISA",)
 
 
+_child: "subprocess.Popen | None" = None  # the leg's `rz` process while one runs
+
+
+def _stop(signum, frame) -> None:
+    """SIGTERM / SIGINT / SIGHUP to the runner: pass SIGTERM on to the leg's `rz train`, which
+    checkpoints after the update it is on and exits (megatron_rz.launch.preemption), wait for it,
+    then stop. Without this the leg outlived its runner and kept the run directory's lock."""
+    if _child is not None and _child.poll() is None:
+        print(f"stability: signal {signum}: stopping the running leg (it checkpoints first)", flush=True)
+        _child.send_signal(signal.SIGTERM)
+        try:
+            _child.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            _child.send_signal(signal.SIGTERM)  # a second SIGTERM: rz train stops at once
+            _child.wait(timeout=60)
+    raise SystemExit(128 + signum)
+
+
 def _rz(args: list[str], log: Path, mode: str = "aligned") -> int:
+    global _child
     env = {**os.environ, **CPU_ENV}
     if mode == "fast":
         for k in FAST_LEG_UNSET:
@@ -98,8 +120,12 @@ def _rz(args: list[str], log: Path, mode: str = "aligned") -> int:
     with open(log, "a") as fh:
         fh.write(f"\n$ rz {' '.join(args)}\n")
         fh.flush()
-        return subprocess.run([sys.executable, "-m", "megatron_rz.cli", *args], env=env, stdout=fh,
-                              stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        _child = subprocess.Popen([sys.executable, "-m", "megatron_rz.cli", *args], env=env, stdout=fh,
+                                  stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            return _child.wait()
+        finally:
+            _child = None
 
 
 def _base_model(root: Path, recipe: str, ov: list[str], log: Path) -> bool:
@@ -486,6 +512,9 @@ def main(argv=None) -> int:
     w.add_argument("--budget-s", type=float, default=3600)
     w.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
+    if a.cmd in ("sweep", "run"):  # a stopped runner stops its running leg too
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, _stop)
     if a.cmd == "sweep":
         return sweep(Path(a.root), Path(a.out), a.recipe, _lrs(a.lrs), a.steps, a.lag, a.budget_s, a.overrides, a.bf16)
     if a.cmd == "run":

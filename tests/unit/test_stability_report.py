@@ -49,3 +49,35 @@ def test_report_figures_and_ratio(tmp_path):
         stability.report(tmp_path, tmp_path / "out")
     (tmp_path / "experiment.json").unlink()
     stability.report(tmp_path, tmp_path / "out")
+
+
+def test_a_stopped_runner_stops_its_running_leg_first(tmp_path):
+    """SIGTERM to `stability.py run` goes on to the leg it is running (as SIGTERM: `rz train`
+    checkpoints, then exits 143) and the runner waits for it, so no leg outlives its runner holding
+    the run directory's lock. The leg here is a real child process with rz train's exit code."""
+    import signal
+    import subprocess
+    import time
+
+    marker = tmp_path / "got_sigterm"
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import pathlib, signal, sys, time\n"
+                              f"def stop(*a):\n    pathlib.Path({str(marker)!r}).write_text('1'); sys.exit(143)\n"
+                              "signal.signal(signal.SIGTERM, stop)\nprint('up', flush=True)\ntime.sleep(120)\n"],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "up"
+    stability._child = child
+    try:
+        t = time.time()
+        with pytest.raises(SystemExit) as e:
+            stability._stop(signal.SIGTERM, None)
+        assert e.value.code == 128 + signal.SIGTERM
+        assert child.returncode == 143 and marker.read_text() == "1"
+        assert time.time() - t < 30
+    finally:
+        stability._child = None
+        if child.poll() is None:
+            child.kill()
+    # no leg running: the runner just stops
+    with pytest.raises(SystemExit):
+        stability._stop(signal.SIGINT, None)
