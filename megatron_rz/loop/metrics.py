@@ -26,13 +26,31 @@ PLOTS = {
 # resolves that far; KL k1 is a noisy estimator that goes negative, drawn linear below 1e-6.
 LOG_SCALE = {"kl.png": 1e-6, "mismatch.png": 1e-16}
 
-# Overlays for comparing runs (`rz plot RUN_A RUN_B ... --out DIR`): one line per run.
+# Overlays for comparing runs (`rz plot RUN_A RUN_B ... --out DIR`): one line per run; the last
+# field is the symlog linear range (None: a linear axis). D3 is exactly 0 where aligned; KL k1 is a
+# noisy estimator that goes negative, drawn linear below 1e-6 (as in kl.png).
 COMPARE = {
-    "compare_d3.png": ("d3", "D3 = mean(w - 1 - log w) per update", True),
-    "compare_d3_peak_over_median.png": ("d3_peak_over_median", "D3 running peak / median", False),
-    "compare_reward.png": ("reward_mean", "train reward (mean)", False),
-    "compare_kl.png": ("kl_k1", "KL k1 (rollout || learner)", True),
+    "compare_d3.png": ("d3", "D3 = mean(w - 1 - log w) per update", 1e-12),
+    "compare_d3_peak_over_median.png": ("d3_peak_over_median", "D3 running peak / median", None),
+    "compare_reward.png": ("reward_mean", "train reward (mean)", None),
+    "compare_kl.png": ("kl_k1", "KL k1 (rollout || learner)", 1e-6),
 }
+# A run of more updates than this is drawn as its per-update values, faint, under their running
+# median over 1% of its updates (thousands of noisy points are otherwise one solid band).
+SMOOTH_ABOVE = 400
+
+
+def running_median(ys, window: int) -> list:
+    """Centred running median of ``ys`` over ``window`` points (shorter at the ends)."""
+    import numpy as np
+
+    y = np.asarray(ys, dtype=float)
+    h = max(0, int(window) // 2)
+    if h == 0 or len(y) < 3:
+        return y.tolist()
+    pad = np.concatenate([np.full(h, np.nan), y, np.full(h, np.nan)])
+    win = np.lib.stride_tricks.sliding_window_view(pad, 2 * h + 1)
+    return np.nanmedian(win, axis=1).tolist()
 
 
 class MetricsLogger:
@@ -204,17 +222,27 @@ def plot_compare(run_dirs: list[Path], out_dir: Path, labels: list[str] | None =
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for fname, (key, title, log) in COMPARE.items():
+    for fname, (key, title, linthresh) in COMPARE.items():
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        for rows, label in zip(runs, labels):
+        smoothed = False
+        for i, (rows, label) in enumerate(zip(runs, labels)):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:
-                xs, ys = zip(*pts)
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            if len(pts) > SMOOTH_ABOVE and key != "d3_peak_over_median":  # a running figure already
+                color = f"C{i}"
+                ax.plot(xs, ys, lw=0.5, alpha=0.2, color=color)
+                ax.plot(xs, running_median(ys, len(pts) // 100), lw=1.6, color=color, label=label)
+                smoothed = True
+            else:
                 ax.plot(xs, ys, lw=1.2, label=label)
-        if log:
-            ax.set_yscale("symlog", linthresh=1e-12)
+        if linthresh is not None:
+            ax.set_yscale("symlog", linthresh=linthresh)
+        if smoothed:
+            title += " (bold: running median over 1% of updates)"
         ax.set_xlabel("update")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9 if smoothed else None)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

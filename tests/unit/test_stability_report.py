@@ -81,3 +81,15 @@ def test_a_stopped_runner_stops_its_running_leg_first(tmp_path):
     # no leg running: the runner just stops
     with pytest.raises(SystemExit):
         stability._stop(signal.SIGINT, None)
+
+
+def test_long_runs_are_drawn_with_their_running_median(tmp_path):
+    from megatron_rz.loop import metrics as M
+
+    assert M.running_median([1, 100, 2, 3, 4], 3) == [50.5, 2.0, 3.0, 3.0, 3.5]
+    assert M.running_median([5, 1], 1) == [5.0, 1.0]
+    n = M.SMOOTH_ABOVE + 100  # a long leg beside a short one: both drawn, the long one smoothed
+    _write(tmp_path / "long", [1e-3 * (1 + (i % 7)) for i in range(n)])
+    _write(tmp_path / "short", [1e-3] * 50)
+    out = M.plot_compare([tmp_path / "long", tmp_path / "short"], tmp_path / "plots")
+    assert sorted(p.name for p in out) == sorted(M.COMPARE) and all(p.stat().st_size > 0 for p in out)
