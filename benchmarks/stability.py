@@ -94,25 +94,40 @@ FAST_LEG_UNSET = ("ONEDNN_MAX_CPU_ISA",)
 
 
 _child: "subprocess.Popen | None" = None  # the leg's `rz` process while one runs
+_stopping: "int | None" = None  # the signal that asked the runner to stop
 
 
 def _stop(signum, frame) -> None:
-    """SIGTERM / SIGINT / SIGHUP to the runner: pass SIGTERM on to the leg's `rz train`, which
-    checkpoints after the update it is on and exits (megatron_rz.launch.preemption), wait for it,
-    then stop. Without this the leg outlived its runner and kept the run directory's lock."""
-    if _child is not None and _child.poll() is None:
+    """SIGTERM / SIGINT / SIGHUP to the runner: pass SIGTERM on to the leg's `rz train` (it
+    checkpoints after the update it is on and exits: megatron_rz.launch.preemption; a second signal
+    here passes a second SIGTERM, which stops it at once); :func:`_run_leg` then sees it exit and
+    the runner stops. Between legs the runner stops at once. Without this the leg outlived its
+    runner and kept the run directory's lock. (The handler only signals: the main thread is inside
+    the child's wait(), which must be the one to reap it.)"""
+    global _stopping
+    first = _stopping is None
+    _stopping = signum
+    if _child is None or _child.returncode is not None:
+        raise SystemExit(128 + signum)
+    if first:
         print(f"stability: signal {signum}: stopping the running leg (it checkpoints first)", flush=True)
-        _child.send_signal(signal.SIGTERM)
-        try:
-            _child.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            _child.send_signal(signal.SIGTERM)  # a second SIGTERM: rz train stops at once
-            _child.wait(timeout=60)
-    raise SystemExit(128 + signum)
+    _child.send_signal(signal.SIGTERM)
+
+
+def _run_leg(cmd: list[str], env: dict, out) -> int:
+    """Run one leg's command to its end; if the runner was asked to stop meanwhile, stop too."""
+    global _child
+    _child = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        rc = _child.wait()
+    finally:
+        _child = None
+    if _stopping is not None:
+        raise SystemExit(128 + _stopping)
+    return rc
 
 
 def _rz(args: list[str], log: Path, mode: str = "aligned") -> int:
-    global _child
     env = {**os.environ, **CPU_ENV}
     if mode == "fast":
         for k in FAST_LEG_UNSET:
@@ -120,12 +135,7 @@ def _rz(args: list[str], log: Path, mode: str = "aligned") -> int:
     with open(log, "a") as fh:
         fh.write(f"\n$ rz {' '.join(args)}\n")
         fh.flush()
-        _child = subprocess.Popen([sys.executable, "-m", "megatron_rz.cli", *args], env=env, stdout=fh,
-                                  stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            return _child.wait()
-        finally:
-            _child = None
+        return _run_leg([sys.executable, "-m", "megatron_rz.cli", *args], env, fh)
 
 
 def _base_model(root: Path, recipe: str, ov: list[str], log: Path) -> bool:

@@ -1,6 +1,7 @@
 """benchmarks/stability.py: the leg spec and the report's figures from a run's metrics.jsonl."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,35 +53,35 @@ def test_report_figures_and_ratio(tmp_path):
 
 
 def test_a_stopped_runner_stops_its_running_leg_first(tmp_path):
-    """SIGTERM to `stability.py run` goes on to the leg it is running (as SIGTERM: `rz train`
-    checkpoints, then exits 143) and the runner waits for it, so no leg outlives its runner holding
-    the run directory's lock. The leg here is a real child process with rz train's exit code."""
+    """SIGTERM to the runner while it waits on a leg (the real case: the main thread inside the
+    child's wait()) goes on to the leg as SIGTERM (`rz train` checkpoints, then exits 143); the
+    runner reaps it and stops, so no leg outlives its runner holding the run directory's lock. The
+    leg is a real child process with rz train's exit code; the signal comes from another thread."""
     import signal
-    import subprocess
+    import threading
     import time
 
     marker = tmp_path / "got_sigterm"
-    child = subprocess.Popen([sys.executable, "-c",
-                              "import pathlib, signal, sys, time\n"
-                              f"def stop(*a):\n    pathlib.Path({str(marker)!r}).write_text('1'); sys.exit(143)\n"
-                              "signal.signal(signal.SIGTERM, stop)\nprint('up', flush=True)\ntime.sleep(120)\n"],
-                             stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "up"
-    stability._child = child
+    code = ("import pathlib, signal, sys, time\n"
+            f"def stop(*a):\n    pathlib.Path({str(marker)!r}).write_text('1'); sys.exit(143)\n"
+            "signal.signal(signal.SIGTERM, stop)\ntime.sleep(120)\n")
+    old = signal.signal(signal.SIGTERM, stability._stop)
     try:
+        timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        timer.start()
         t = time.time()
-        with pytest.raises(SystemExit) as e:
-            stability._stop(signal.SIGTERM, None)
+        with open(tmp_path / "leg.log", "w") as out, pytest.raises(SystemExit) as e:
+            stability._run_leg([sys.executable, "-c", code], dict(os.environ), out)
         assert e.value.code == 128 + signal.SIGTERM
-        assert child.returncode == 143 and marker.read_text() == "1"
-        assert time.time() - t < 30
+        assert marker.read_text() == "1" and time.time() - t < 30
+        assert stability._child is None
+        # between legs (no child): the runner stops at once
+        with pytest.raises(SystemExit):
+            stability._stop(signal.SIGINT, None)
     finally:
+        signal.signal(signal.SIGTERM, old)
+        stability._stopping = None
         stability._child = None
-        if child.poll() is None:
-            child.kill()
-    # no leg running: the runner just stops
-    with pytest.raises(SystemExit):
-        stability._stop(signal.SIGINT, None)
 
 
 def test_long_runs_are_drawn_with_their_running_median(tmp_path):
