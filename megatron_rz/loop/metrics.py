@@ -230,13 +230,13 @@ def plot_compare(run_dirs: list[Path], out_dir: Path, labels: list[str] | None =
             if not pts:
                 continue
             xs, ys = zip(*pts)
+            color = f"C{i}"  # run i's colour in every figure, smoothed or not (explicit colours do not advance the cycle)
             if len(pts) > SMOOTH_ABOVE and key != "d3_peak_over_median":  # a running figure already
-                color = f"C{i}"
                 ax.plot(xs, ys, lw=0.5, alpha=0.2, color=color)
                 ax.plot(xs, running_median(ys, len(pts) // 100), lw=1.6, color=color, label=label)
                 smoothed = True
             else:
-                ax.plot(xs, ys, lw=1.2, label=label)
+                ax.plot(xs, ys, lw=1.2, color=color, label=label)
         if linthresh is not None:
             ax.set_yscale("symlog", linthresh=linthresh)
         if smoothed:
