@@ -15,7 +15,6 @@ LONG_FIRST = (  # seconds of test time per file (the 80 slowest phases), make te
     "integration/test_train_e2e.py",  # 552
     "slurm/test_slurm_jobs.py",  # 542 (before its requeue test went from 20 updates to 8)
     "integration/test_dsv4_aligned.py",  # 355
-    "integration/test_resume.py",  # 310
     "integration/test_remote_rollout.py",  # 306
     "integration/test_fp8_models.py",  # 231
     "integration/test_kimi_k3_learner.py",  # 223
