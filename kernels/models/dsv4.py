@@ -524,9 +524,9 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
     cos, sin = rope_tables(c, layer, positions)
     q_res = kernels.rms_norm(project(c, w, x, "attn.wq_a.weight"), w("attn.q_norm.weight"), c.rms_norm_eps)
     q = project(c, w, q_res, "attn.wq_b.weight").view(T, H, D)
-    q = _rope_tail(kernels.rms_norm(q, None, c.rms_norm_eps), cos, sin)
+    q = tap(f"layer{layer}.attn_q", _rope_tail(kernels.rms_norm(q, None, c.rms_norm_eps), cos, sin))
     kv = kernels.rms_norm(project(c, w, x, "attn.wkv.weight"), w("attn.kv_norm.weight"), c.rms_norm_eps)
-    kv = _rope_tail(kv.view(T, 1, D), cos, sin).view(T, D)
+    kv = tap(f"layer{layer}.attn_kv", _rope_tail(kv.view(T, 1, D), cos, sin).view(T, D))
     parts = [kv]
     out: dict = {"q": q}
     if kind in (CSA, HCA):  # (other kinds: DeepSeek-V4.1's compressed layers, kernels.models.dsv41)
@@ -536,8 +536,9 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
         parts += [kernels.linear(x, w("attn.indexer.compressor.wkv.weight")),
                   kernels.linear(x, w("attn.indexer.compressor.wgate.weight"))]
         iq = project(c, w, q_res, "attn.indexer.wq_b.weight").view(T, Hi, Di)
-        out["idx_q"] = _rope_tail(iq, cos, sin)
-        out["idx_w"] = kernels.linear(x, w("attn.indexer.weights_proj.weight"), out_dtype=torch.float32) * (Hi ** -0.5)
+        out["idx_q"] = tap(f"layer{layer}.attn_idx_q", _rope_tail(iq, cos, sin))
+        out["idx_w"] = tap(f"layer{layer}.attn_idx_w", kernels.linear(x, w("attn.indexer.weights_proj.weight"),
+                                                                       out_dtype=torch.float32) * (Hi ** -0.5))
     out["payload"] = torch.cat([p.to(x.dtype) for p in parts], dim=-1)
     return out
 
@@ -825,12 +826,13 @@ def reference_logits(sd_or_dir, config, input_ids: torch.Tensor) -> torch.Tensor
     if config is None:
         config = sd_or_dir
     c = config if isinstance(config, V4Config) else v4_config(config)
-    input_ids = torch.as_tensor(input_ids).long()
+    dev = sd["embed.weight"].device  # the weights' device (CPU, or CUDA for the GPU checks)
+    input_ids = torch.as_tensor(input_ids).long().to(dev)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     B, S = input_ids.shape
     ids = input_ids.reshape(-1)
-    pos = torch.arange(S).repeat(B)
+    pos = torch.arange(S, device=dev).repeat(B)
     streams = embed(c, sd["embed.weight"], ids)
     cache = FP8WeightCache()  # FP8: each weight quantised once per call (the engine: once per load)
     for i in range(c.num_layers):
@@ -859,10 +861,10 @@ def reference_logprobs(sd_or_dir, config, input_ids: torch.Tensor, temperature: 
         input_ids = input_ids[None]
     logits = reference_logits(sd_or_dir, config, input_ids)
     B, S = input_ids.shape
-    out = torch.zeros(B, S, dtype=torch.float32)
+    out = torch.zeros(B, S, dtype=torch.float32, device=logits.device)
     if S > 1:
         lp = kernels.logprobs_from_logits(logits[:, :-1].reshape(B * (S - 1), -1),
-                                          input_ids[:, 1:].reshape(-1), temperature)
+                                          input_ids[:, 1:].reshape(-1).to(logits.device), temperature)
         out[:, 1:] = lp.view(B, S - 1)
     return out
 

@@ -30,7 +30,11 @@ from contextlib import contextmanager
 
 import torch
 
-TAPS_PER_LAYER = ("attn_norm", "attention", "attn_out", "mlp_norm", "mlp", "output")
+# attn_q / attn_kv / attn_idx_q / attn_idx_w: DeepSeek-V4's per-token attention inputs (query, key =
+# value row, indexer query and weights; kernels.models.dsv4.token_state), between the block's norm and
+# its attention output; families that do not record them skip them.
+TAPS_PER_LAYER = ("attn_norm", "attn_q", "attn_kv", "attn_idx_q", "attn_idx_w", "attention", "attn_out", "mlp_norm",
+                  "mlp", "output")
 
 
 OUTPUT_TAPS = ("logits", "sampling")
@@ -147,7 +151,7 @@ def first_divergence(ref: dict[str, torch.Tensor], side: dict[str, torch.Tensor]
         if name not in ref or name not in side:
             continue
         n = min(ref[name].shape[0], side[name].shape[0])
-        a, b = ref[name][:n], side[name][:n]
+        a, b = ref[name][:n].cpu(), side[name][:n].cpu()  # taps of a CUDA side vs a CPU reference
         if a.shape != b.shape:
             return {"first_diverging_tap": name, "reason": f"shape {tuple(b.shape)} vs reference {tuple(a.shape)}"}
         compared += 1
