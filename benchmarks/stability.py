@@ -62,6 +62,10 @@ sys.path.insert(0, str(ROOT))
 # stable in fp32), checkpoints often enough for short slices, sparse evaluation
 DEFAULTS = ["algo.lr=1e-4", "rollout.prompts_per_step=8", "checkpoint.every=25", "schedule.eval_every=100",
             "logging.wandb=false"]
+# Bookkeeping of every leg's rz train, not part of the experiment (experiment.json): keep each leg's
+# newest checkpoints only (a tiny_moe checkpoint is 11 MB; one every 25 updates filled 1.2 GB per leg
+# by update 3,000, and would fill ~9 GB per leg by 20,000).
+LEG_BOOKKEEPING = ["checkpoint.keep=3"]
 # per --bf16: (overrides of every leg and the base model, overrides of the fast legs only)
 BF16 = {"both": (["model.dtype=bfloat16"], []), "rollout": ([], ["rollout.dtype=bfloat16"])}
 # what make demo pins for reproducible CPU numerics (one thread, AVX2 code paths)
@@ -190,7 +194,8 @@ def run(root: Path, recipe: str, legs: list[tuple[str, int]], steps: int, slice_
             t = time.time()
             rc = _rz(["train", recipe, f"mode={mode}", f"schedule.max_lag={lag}", f"schedule.steps={steps}",
                       f"schedule.time_limit_s={min(slice_s, left - 30):.0f}", "checkpoint.load=latest",
-                      f"logging.run_dir={rd}", *ov, *(fast_only if mode == "fast" else [])], log, mode)
+                      f"logging.run_dir={rd}", *ov, *(fast_only if mode == "fast" else []), *LEG_BOOKKEEPING],
+                     log, mode)
             print(f"stability: {mode} lag {lag}: updates {before} -> {_updates(rd)} in {time.time() - t:.0f} s "
                   f"(exit {rc})", flush=True)
             if rc != 0:

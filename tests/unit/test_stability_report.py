@@ -94,3 +94,27 @@ def test_long_runs_are_drawn_with_their_running_median(tmp_path):
     _write(tmp_path / "short", [1e-3] * 50)
     out = M.plot_compare([tmp_path / "long", tmp_path / "short"], tmp_path / "plots")
     assert sorted(p.name for p in out) == sorted(M.COMPARE) and all(p.stat().st_size > 0 for p in out)
+
+
+def test_legs_keep_only_their_newest_checkpoints(tmp_path, monkeypatch):
+    """Every leg's rz train gets checkpoint.keep (bookkeeping: a 20,000-update leg would otherwise keep
+    800 checkpoints); the experiment's identity (experiment.json's overrides) does not include it, so
+    an experiment started before keeps resuming."""
+    import json
+
+    calls = []
+
+    def fake_rz(args, log, mode="aligned"):
+        calls.append(args)
+        raise SystemExit(0)
+
+    (tmp_path / "base_model").mkdir()
+    monkeypatch.setattr(stability, "_base_model", lambda *a: True)
+    monkeypatch.setattr(stability, "_rz", fake_rz)
+    with pytest.raises(SystemExit):
+        stability.run(tmp_path, "recipes/tiny_moe.yaml", [("fast", 8)], 100, 600, 3600, ["algo.lr=5e-5"])
+    (cmd,) = calls
+    assert cmd[-1] == "checkpoint.keep=3" and "checkpoint.every=25" in cmd and "algo.lr=5e-5" in cmd
+    assert "schedule.max_lag=8" in cmd and "rollout.dtype=bfloat16" in cmd
+    meta = json.loads((tmp_path / "experiment.json").read_text())
+    assert not any(o.startswith("checkpoint.keep") for o in meta["overrides"] + meta["fast_overrides"])
