@@ -13,7 +13,7 @@ LONG_FIRST = (  # seconds of test time per file (the 80 slowest phases), make te
     "integration/test_check.py",  # 679
     "integration/test_async.py",  # 604
     "integration/test_train_e2e.py",  # 552
-    "slurm/test_slurm_jobs.py",  # 542 (before its requeue test went from 20 updates to 8)
+    "slurm/test_slurm_jobs.py",  # 542 (two jobs then; one job since 2026-12-07: 199 s alone)
     "integration/test_dsv4_aligned.py",  # 355
     "integration/test_remote_rollout.py",  # 306
     "integration/test_fp8_models.py",  # 231

@@ -1,14 +1,17 @@
 """`rz submit` against a real local SLURM (two slurmd, so the heterogeneous job can start).
 
-1. The tiny recipe runs as a heterogeneous job (learner on node1, rollout on node2) to completion
-   and leaves its metrics and final checkpoint; its vLLM engine is `vllm serve` on node2
-   (python -m vllm_bridge.serve), which the learner drives over HTTP for every generate and weight
-   update (vllm_bridge.server_client).
-2. Preemption, with the asynchronous trainer (max_lag 1: its producer runs on the learner side and
-   drives node2's server): the warning signal (USR1 to the batch script) makes the learner checkpoint and
-   exit, the job requeues itself, and the requeued job resumes from that checkpoint and finishes:
-   every update appears once in metrics.jsonl, in order (continued, not restarted), and the
-   resumed rollout loop starts from the checkpoint's weights.
+One job (each job start costs minutes here, so one job carries every claim) with the asynchronous
+trainer (max_lag 1: its producer runs on the learner side and drives node2's server):
+1. It runs as a heterogeneous job (learner on node1, rollout on node2); its vLLM engine is
+   `vllm serve` on node2 (python -m vllm_bridge.serve), which the learner drives over HTTP for every
+   generate and weight update (vllm_bridge.server_client); every update's weights go through the
+   filesystem transport and are verified on the server (rollout.verify_sync, every update).
+2. Preemption: the warning signal (USR1 to the batch script) makes the learner checkpoint and exit,
+   the job requeues itself, and the requeued job resumes from that checkpoint and finishes: every
+   update appears once in metrics.jsonl, in order (continued, not restarted), and the resumed rollout
+   loop starts from the checkpoint's weights; it leaves its metrics and final checkpoint.
+The synchronous trainer's use of the same servers is tested in tests/integration/test_remote_rollout.py
+(the client) and the loops are shared (megatron_rz/loop/trainer.py).
 """
 
 import json
@@ -81,42 +84,16 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "max_abs_dlogp" in r]
 
 
-def test_tiny_recipe_runs_as_heterogeneous_job(local_slurm, tmp_path):
-    # verify_sync on: the learner checks the remote engine's weights (checksums over the wire) every step
-    job, run_dir, log = _submit(tmp_path, "schedule.steps=3", "rollout.verify_sync=true", "rollout.verify_every=1")
+def test_heterogeneous_job_is_preempted_requeues_and_resumes(local_slurm, tmp_path):
+    steps = 8  # the warning comes after update 1, the checkpoint at the end of the update under way
+    job, run_dir, log = _submit(tmp_path, f"schedule.steps={steps}", "schedule.max_lag=1",
+                                "rollout.verify_sync=true", "rollout.verify_every=1")
     # Both components are allocated at once, on different nodes.
     _wait(lambda: _job(job).get("JobState") in ("RUNNING", "COMPLETED"), "the job to start", log, 60)
     lines = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout.splitlines()
     assert len(lines) == 2, lines  # learner + rollout component
     nodes = [dict(kv.split("=", 1) for kv in ln.split() if "=" in kv)["NodeList"] for ln in lines]
     assert sorted(nodes) == ["node1", "node2"], nodes
-
-    state = _wait(lambda: _finished(job), "the job to finish", log, 480)
-    text = log.read_text()
-    assert state == "COMPLETED", text[-4000:]
-    assert "learner exited with 0" in text
-    # The vLLM engine ran on the rollout component: `vllm serve` started by node2's slurmd
-    # (SLURMD_NODENAME=node2) recorded itself once its /health answered; the learner drove it.
-    server = json.loads((run_dir / "rollout" / "servers" / "node2.json").read_text())
-    assert server["node"] == "node2" and server["url"].startswith("http://") and server["pid"], server
-    assert (run_dir / "rollout" / "model_dir").read_text().strip().startswith(str(run_dir))
-    assert "[rz serve] node2: starting vllm serve" in text and f"[rz serve] node2: ready at {server['url']}" in text
-    assert "1 rollout server(s) ready after" in text
-    assert f"[rz] rollout on 1 vLLM server(s): node2 ({server['url']})" in text
-    # every update's weights reached the server through the filesystem transport (versions 1..3)
-    for v in (1, 2, 3):
-        assert f"[rz] weights version {v} on node2:" in text, text[-4000:]
-    assert not list((run_dir / "rollout" / "weights").glob("v*"))  # bucket files released
-    assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3]
-    assert all(r["time_sync"] > 0 for r in _train_rows(run_dir))
-    assert (run_dir / "checkpoints" / "step_000003" / "COMPLETE").exists()
-    assert (run_dir / "checkpoints" / "step_000003" / "__0_0.distcp").exists()
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
-
-
-def test_warning_signal_checkpoints_requeues_and_resumes(local_slurm, tmp_path):
-    steps = 8  # the warning comes after update 1, the checkpoint at the end of the update under way
-    job, run_dir, log = _submit(tmp_path, f"schedule.steps={steps}", "schedule.max_lag=1")
     _wait(lambda: len(_train_rows(run_dir)) >= 1, "the first update", log, 480)
     # What SLURM does before the time limit (--signal=B:USR1@secs): USR1 to the batch script only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
@@ -147,3 +124,16 @@ def test_warning_signal_checkpoints_requeues_and_resumes(local_slurm, tmp_path):
     assert len(re.findall(r"\[rz serve\] node2: ready at ", text)) == 2
     assert rows[k]["submit_version"] >= k  # the first batch after the resume: weights version k
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps - k
+    assert "learner exited with 0" in text
+    # The vLLM engine ran on the rollout component: `vllm serve` started by node2's slurmd
+    # (SLURMD_NODENAME=node2) recorded itself once its /health answered; the learner drove it.
+    server = json.loads((run_dir / "rollout" / "servers" / "node2.json").read_text())
+    assert server["node"] == "node2" and server["url"].startswith("http://") and server["pid"], server
+    assert (run_dir / "rollout" / "model_dir").read_text().strip().startswith(str(run_dir))
+    assert "[rz serve] node2: starting vllm serve" in text and f"[rz serve] node2: ready at {server['url']}" in text
+    assert "1 rollout server(s) ready after" in text
+    # every update's weights reached the server through the filesystem transport, verified there
+    for v in range(1, steps + 1):
+        assert f"[rz] weights version {v} on node2:" in text, (v, text[-4000:])
+    assert not list((run_dir / "rollout" / "weights").glob("v*"))  # bucket files released
+    assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "__0_0.distcp").exists()
