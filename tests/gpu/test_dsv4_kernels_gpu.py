@@ -31,7 +31,9 @@ pytestmark = pytest.mark.gpu
 
 # A tiny DeepSeek-V4 in DeepSeek's config.json spelling: layer kinds compressed sparse (x4, indexer
 # top-3), heavily compressed (x128), sliding window only, compressed sparse; window 16; hash routing
-# in the first two layers.
+# in the first two layers. The sizes are megatron_rz.learner.tiny_models.TINY_DSV41's without the
+# engram, spelled out here because that module imports the recipe (pydantic), which the GPU
+# machine's bare image lacks (it arrives with vLLM's staged wheels), and this file runs before them.
 CFG = dict(
     vocab_size=96, hidden_size=64, num_hidden_layers=4, compress_ratios=[4, 128, 0, 4], num_hash_layers=2,
     num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
