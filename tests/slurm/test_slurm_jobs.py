@@ -132,6 +132,8 @@ def test_heterogeneous_job_is_preempted_requeues_and_resumes(local_slurm, tmp_pa
     assert (run_dir / "rollout" / "model_dir").read_text().strip().startswith(str(run_dir))
     assert "[rz serve] node2: starting vllm serve" in text and f"[rz serve] node2: ready at {server['url']}" in text
     assert "1 rollout server(s) ready after" in text
+    assert f"[rz] rollout on 1 vLLM server(s): node2 ({server['url']})" in text  # the requeued job's server
+    assert all(r["time_sync"] > 0 for r in rows)
     # every update's weights reached the server through the filesystem transport, verified there
     for v in range(1, steps + 1):
         assert f"[rz] weights version {v} on node2:" in text, (v, text[-4000:])
