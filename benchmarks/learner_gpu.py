@@ -151,8 +151,19 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
     probes.append(probe())
     from megatron_rz.learner.te_spec import te_version
 
+    te_attention = None
+    if learner.spec == "te":  # which attention TE picked for these shapes (flash / cuDNN fused / unfused)
+        try:  # TE keeps its last selection in this module-level table (TE 2.x); a diagnostic only
+            from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+
+            te_attention = {k: v if isinstance(v, (bool, int, str, type(None))) else str(v)
+                            for k, v in dpa._attention_backends.items() if k != "attention_params"}
+        except Exception as e:  # another TE layout: say so rather than guess
+            te_attention = {"unknown": f"{type(e).__name__}: {e}"}
+
     res = {"config": name, "mode": mode, "learner_spec": learner.spec,
-           "transformer_engine": te_version() if learner.spec == "te" else None, "batch": batch, "seq": seq,
+           "transformer_engine": te_version() if learner.spec == "te" else None, "te_attention": te_attention,
+           "batch": batch, "seq": seq,
            "micro_batch": mbs,
            "params": sum(p.numel() for p in learner.model.parameters()), "build_s": build_s, "first_step_s": first_s,
            "step_s": times, "median_s": statistics.median(times), "grad_norm": grad_norms,
@@ -164,15 +175,19 @@ def run_one(name: str, mode: str, steps: int, warmup: int = 2, profile: str | No
 
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             step()
-        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        avg = p.key_averages()
+        table = avg.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        kernels = avg.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
         Path(profile).parent.mkdir(parents=True, exist_ok=True)
-        Path(profile).write_text(f"# {name} {mode}: one train step ({batch} x {seq}, micro batch {mbs})\n{table}\n")
+        Path(profile).write_text(f"# {name} {mode}: one train step ({batch} x {seq}, micro batch {mbs})\n"
+                                 f"## by CUDA time including children (ops)\n{table}\n"
+                                 f"## by self CUDA time (kernels)\n{kernels}\n")
         res["profile"] = str(profile)
     return res
 
 
 def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: int, budget_s: float,
-          profile_dir: str | None) -> dict:
+          profile_dir: str | None, te_debug: bool = False) -> dict:
     t_start = time.time()
     report = {"command": " ".join(sys.argv), "configs": {}, "skipped": []}
     outp = Path(out)
@@ -194,12 +209,16 @@ def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: in
                 if profile_dir and rnd == 0:
                     cmd += ["--profile", str(Path(profile_dir) / f"{name}_{mode}.txt")]
                 t = time.time()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                env = dict(os.environ, NVTE_DEBUG="1", NVTE_DEBUG_LEVEL="2") if te_debug and mode.startswith("fast") else None
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     runs[mode].append({"error": proc.stderr[-3000:], "rc": proc.returncode})
                 else:
                     runs[mode].append(json.loads(tmp.read_text()))
                     tmp.unlink()
+                    if env is not None:  # TE's reasons for its attention backend, in its own words
+                        runs[mode][-1]["te_debug"] = [ln[:400] for ln in (proc.stdout + proc.stderr).splitlines()
+                                                      if "DotProductAttention" in ln or "Disabling" in ln][-60:]
                 print(f"[learner bench] {name} {mode} round {rnd}: "
                       f"{runs[mode][-1].get('median_s', 'error')} s/step ({time.time() - t:.0f} s)", flush=True)
         entry = {"runs": runs}
@@ -209,6 +228,7 @@ def bench(out: str, configs: list[str], modes: list[str], rounds: int, steps: in
                 all_steps = [s for r in rs for s in r["step_s"]]
                 meds = [r["median_s"] for r in rs]
                 entry[m] = {"learner_spec": rs[0].get("learner_spec"), "transformer_engine": rs[0].get("transformer_engine"),
+                            "te_attention": rs[0].get("te_attention"),
                             "median_s": statistics.median(all_steps), "round_medians_s": meds,
                             "spread": max(meds) / min(meds), "peak_gib": max(r["peak_gib"] for r in rs)}
         from benchmarks.machine_probe import spread
@@ -242,6 +262,8 @@ def main(argv=None) -> int:
     b.add_argument("--steps", type=int, default=5)
     b.add_argument("--budget-s", type=float, default=900.0)
     b.add_argument("--profile-dir")
+    b.add_argument("--te-debug", action="store_true",
+                   help="fast modes: run with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 and keep TE's attention-backend lines")
     o = sub.add_parser("one")
     o.add_argument("--config", choices=sorted(CONFIGS), required=True)
     o.add_argument("--mode", choices=tuple(MODES), required=True)
@@ -262,7 +284,7 @@ def main(argv=None) -> int:
     bad = [m for m in a.modes.split(",") if m not in MODES]
     if bad:
         raise SystemExit(f"learner_gpu: --modes {bad[0]!r}: expected some of {', '.join(MODES)}")
-    bench(a.out, a.configs.split(","), a.modes.split(","), a.rounds, a.steps, a.budget_s, a.profile_dir)
+    bench(a.out, a.configs.split(","), a.modes.split(","), a.rounds, a.steps, a.budget_s, a.profile_dir, a.te_debug)
     return 0
 
 

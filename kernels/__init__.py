@@ -31,6 +31,7 @@ _EXPORTS = {
     "router_logits": "dispatch",
     "route": "dispatch",
     "swiglu": "dispatch",
+    "swiglu_merged": "dispatch",
     "expert_mlp": "dispatch",
     "expert_mlp_merged": "dispatch",
     "moe_combine": "dispatch",

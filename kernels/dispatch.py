@@ -180,12 +180,13 @@ def lm_head_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *,
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
     if not (use_triton(x) and x.dtype in _GPU_DTYPES):
         return _norm.rms_norm(x, weight, eps)
+    from .triton.backward import rms_norm_backward
     from .triton.rmsnorm import rms_norm as trms
 
     if not _needs_grad(x, weight):
         with torch.no_grad():
             return trms(x, weight, eps)
-    return _grads.rms_norm(lambda x_, w_: trms(x_, w_, eps), x, weight, eps)
+    return _grads.rms_norm(lambda x_, w_: trms(x_, w_, eps), x, weight, eps, bwd=rms_norm_backward)
 
 
 def add_rms_norm(x: torch.Tensor, delta: Union[torch.Tensor, Unreduced], weight: Optional[torch.Tensor],
@@ -404,10 +405,28 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _moe.swiglu(gate, up)
     from .triton.moe import swiglu as tswiglu
 
+    from .triton.backward import swiglu_backward
+
     if not _needs_grad(gate, up):
         with torch.no_grad():
             return tswiglu(gate, up)
-    return _grads.swiglu(tswiglu, gate, up)
+    return _grads.swiglu(tswiglu, gate, up, bwd=swiglu_backward)
+
+
+def swiglu_merged(h: torch.Tensor) -> torch.Tensor:
+    """``swiglu(h[..., :i], h[..., i:])`` of a merged ``[gate | up]`` tensor (``i`` half its last dim):
+    the same forward bits; on the GPU path its gradient is one tensor, both halves written by one
+    fused launch (kernels.grads.swiglu_merged)."""
+    i = h.shape[-1] // 2
+    if not (use_triton(h) and _same_float(h)):
+        return _moe.swiglu(h[..., :i], h[..., i:])
+    from .triton.backward import swiglu_backward
+    from .triton.moe import swiglu as tswiglu
+
+    if not _needs_grad(h):
+        with torch.no_grad():
+            return tswiglu(h[..., :i], h[..., i:])
+    return _grads.swiglu_merged(tswiglu, h, bwd=swiglu_backward)
 
 
 def expert_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -11,14 +11,16 @@ write each gradient down instead, from the tensors the forward already had:
 * ``apply_rope``: a rotation is orthogonal, its transpose is the rotation by ``-sin``: the backward
   is the same forward kernel on ``g`` with ``-sin`` (one launch on the GPU);
 * ``swiglu``: ``out = silu(a) * b``: ``da = g * b * s * (1 + a * (1 - s))`` with
-  ``s = 1 / (1 + exp(-a))``, ``db = g * silu(a)``;
+  ``s = 1 / (1 + exp(-a))``, ``db = g * silu(a)``; ``swiglu_merged`` the same on the two halves of
+  one ``[gate | up]`` tensor, its gradient one tensor;
 * ``moe_combine``: ``out = sum_j w_j y_j (+ shared)``: ``dy_j = g * w_j``, ``dw_j = <g, y_j>``,
   ``dshared = g``;
 * ``logprobs_from_logits``: ``lp = log_softmax(l / T)[target]``:
   ``dl = g / T * (onehot(target) - softmax(l / T))``.
 
 Every backward computes in fp32 and rounds once to the input's dtype (what autograd of the fp32
-references returns). ``fwd`` is the caller's forward (the Triton kernel on the GPU); the tests pass
+references returns). ``rms_norm`` and ``swiglu(_merged)`` take an optional ``bwd``: the same formula
+fused into one launch (kernels/triton/backward.py, the GPU path), in place of the torch ops. ``fwd`` is the caller's forward (the Triton kernel on the GPU); the tests pass
 the CPU references and compare with their autograd (tests/unit/test_grads.py).
 """
 
@@ -28,7 +30,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["rms_norm", "apply_rope", "swiglu", "moe_combine", "logprobs_from_logits"]
+__all__ = ["rms_norm", "apply_rope", "swiglu", "swiglu_merged", "moe_combine", "logprobs_from_logits"]
 
 _F32 = torch.float32
 
@@ -39,14 +41,18 @@ def _leading_sum(t: torch.Tensor) -> torch.Tensor:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, fwd, eps):  # type: ignore[override]
+    def forward(ctx, x, weight, fwd, eps, bwd):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.bwd = eps, bwd
         return fwd(x, weight)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         x, weight = ctx.saved_tensors
+        if ctx.bwd is not None:
+            dx, dw = ctx.bwd(x, weight, g, ctx.eps, need_dx=ctx.needs_input_grad[0],
+                             need_dw=weight is not None and ctx.needs_input_grad[1])
+            return dx, dw, None, None, None
         x32 = x.to(_F32)
         r = torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + ctx.eps)
         n = x32 * r
@@ -61,12 +67,15 @@ class _RMSNorm(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = (r * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def rms_norm(fwd: Callable, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """``fwd(x, weight)`` (RMSNorm over the last dim) with the closed-form backward."""
-    return _RMSNorm.apply(x, weight, fwd, float(eps))
+def rms_norm(fwd: Callable, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+             bwd: Optional[Callable] = None) -> torch.Tensor:
+    """``fwd(x, weight)`` (RMSNorm over the last dim) with the closed-form backward; ``bwd``: a fused
+    form of it, ``bwd(x, weight, g, eps, need_dx=, need_dw=) -> (dx, dw)`` (the GPU's:
+    kernels.triton.backward.rms_norm_backward), else the torch ops above."""
+    return _RMSNorm.apply(x, weight, fwd, float(eps), bwd)
 
 
 class _Rope(torch.autograd.Function):
@@ -86,28 +95,63 @@ def apply_rope(fwd: Callable, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return _Rope.apply(x, fwd, cos, sin)
 
 
+def _swiglu_grads(a, b, g, need_da: bool, need_db: bool):
+    a32, b32, g32 = a.to(_F32), b.to(_F32), g.to(_F32)
+    s = 1.0 / (1.0 + torch.exp(-a32))
+    da = (g32 * b32 * s * (1.0 + a32 * (1.0 - s))).to(a.dtype) if need_da else None
+    db = (g32 * (a32 * s)).to(b.dtype) if need_db else None
+    return da, db
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, fwd):  # type: ignore[override]
+    def forward(ctx, a, b, fwd, bwd):  # type: ignore[override]
         ctx.save_for_backward(a, b)
+        ctx.bwd = bwd
         return fwd(a, b)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         a, b = ctx.saved_tensors
-        a32, b32, g32 = a.to(_F32), b.to(_F32), g.to(_F32)
-        s = 1.0 / (1.0 + torch.exp(-a32))
-        da = db = None
-        if ctx.needs_input_grad[0]:
-            da = (g32 * b32 * s * (1.0 + a32 * (1.0 - s))).to(a.dtype)
-        if ctx.needs_input_grad[1]:
-            db = (g32 * (a32 * s)).to(b.dtype)
-        return da, db, None
+        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.bwd is not None:
+            da, db = ctx.bwd(a, b, g, need_da=need[0], need_db=need[1])
+        else:
+            da, db = _swiglu_grads(a, b, g, *need)
+        return da, db, None, None
 
 
-def swiglu(fwd: Callable, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``fwd(gate, up)`` = ``silu(gate) * up`` with the closed-form backward."""
-    return _SwiGLU.apply(gate, up, fwd)
+def swiglu(fwd: Callable, gate: torch.Tensor, up: torch.Tensor, bwd: Optional[Callable] = None) -> torch.Tensor:
+    """``fwd(gate, up)`` = ``silu(gate) * up`` with the closed-form backward; ``bwd``: a fused form of
+    it, ``bwd(a, b, g, da=None, db=None, need_da=, need_db=) -> (da, db)`` (the GPU's:
+    kernels.triton.backward.swiglu_backward), else the torch ops above."""
+    return _SwiGLU.apply(gate, up, fwd, bwd)
+
+
+class _SwiGLUMerged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, fwd, bwd):  # type: ignore[override]
+        ctx.save_for_backward(h)
+        ctx.bwd = bwd
+        i = h.shape[-1] // 2
+        return fwd(h[..., :i], h[..., i:])
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (h,) = ctx.saved_tensors
+        i = h.shape[-1] // 2
+        if ctx.bwd is None:
+            return torch.cat(_swiglu_grads(h[..., :i], h[..., i:], g, True, True), dim=-1), None, None
+        dh = torch.empty(h.shape, device=h.device, dtype=h.dtype)
+        ctx.bwd(h[..., :i], h[..., i:], g, dh[..., :i], dh[..., i:])
+        return dh, None, None
+
+
+def swiglu_merged(fwd: Callable, h: torch.Tensor, bwd: Optional[Callable] = None) -> torch.Tensor:
+    """``fwd(h[..., :i], h[..., i:])`` (``silu(gate) * up`` of a merged ``[gate | up]`` tensor, ``i``
+    half its last dim) with the closed-form backward as ONE gradient of ``h``: ``bwd`` writes both
+    halves in place (no slice backward: a zero fill, a copy and an add of the whole ``h`` per half)."""
+    return _SwiGLUMerged.apply(h, fwd, bwd)
 
 
 class _Combine(torch.autograd.Function):

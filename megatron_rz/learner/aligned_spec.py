@@ -536,11 +536,11 @@ def _make_mla():
 
 
 def aligned_mlp_forward(mlp, hidden_states: torch.Tensor) -> torch.Tensor:
-    """fc1 (merged [gate; up] shard, column-parallel) -> kernels.swiglu -> fc2 (row-parallel).
-    Bitwise kernels.expert_mlp with the down projection at k_segments=ROW_PARALLEL_K_SEGMENTS."""
+    """fc1 (merged [gate; up] shard, column-parallel) -> kernels.swiglu_merged (kernels.swiglu of the
+    two halves, one gradient for both) -> fc2 (row-parallel). Bitwise kernels.expert_mlp with the
+    down projection at k_segments=ROW_PARALLEL_K_SEGMENTS."""
     h, _ = mlp.linear_fc1(hidden_states)
-    i = h.shape[-1] // 2
-    out, _ = mlp.linear_fc2(kernels.swiglu(h[..., :i], h[..., i:]))
+    out, _ = mlp.linear_fc2(kernels.swiglu_merged(h))
     return out
 
 

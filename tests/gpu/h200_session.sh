@@ -14,7 +14,7 @@
 #          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
 #   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
 #   learner  the learner's train step aligned vs fast_te vs fast_local (benchmarks/learner_gpu.py; LEARNER_CONFIGS,
-#          LEARNER_MODES, LEARNER_PROFILE=1)
+#          LEARNER_MODES, LEARNER_PROFILE=1, LEARNER_TE_DEBUG=1: TE's attention-backend reasons in the JSON)
 #   step   `rz bench step recipes/gpu_moe.yaml`: the whole RL step aligned vs fast (rollout / learner / sync)
 #   stab   one GPU segment of the stability comparison (tiny_moe, bf16 both sides, lag 8 aligned vs fast;
 #          STAB_ROOT_IN continues a carried root, STAB_LEGS / STAB_STEPS / STAB_SLICE / STAB_BUDGET / STAB_S)
@@ -215,6 +215,7 @@ PYEOF
       "$PY" benchmarks/learner_gpu.py bench --out "$d/learner_gpu.json" --configs ${LEARNER_CONFIGS:-gpu_moe,qwen2_1p5b} \
         ${LEARNER_MODES:+--modes $LEARNER_MODES} \
         --rounds ${LEARNER_ROUNDS:-2} --budget-s ${LEARNER_BUDGET_S:-420} ${LEARNER_PROFILE:+--profile-dir $d/prof} \
+        ${LEARNER_TE_DEBUG:+--te-debug} \
         > "$d/learner_gpu.log" 2>&1
       echo "rc=$? learner" >> "$d/summary.txt"
       grep -vE "^(INFO|WARNING|\(EngineCore)" "$d/learner_gpu.log" | tail -30 | tee -a "$d/summary.txt" ;;

@@ -59,6 +59,36 @@ def test_rms_norm_rope_swiglu(dtype):
            [q], _r(T, 8, D, dtype=dtype, seed=4), dtype)
     a, b = _r(T, I, dtype=dtype, seed=5, scale=3), _r(T, I, dtype=dtype, seed=6)
     _check(kernels.swiglu, _moe.swiglu, [a, b], _r(T, I, dtype=dtype, seed=7), dtype)
+    h = _r(2, T, 2 * I, dtype=dtype, seed=14, scale=3)  # merged [gate | up]: one gradient, no slice backward
+    _check(kernels.swiglu_merged, lambda h_: _moe.swiglu(h_[..., :I], h_[..., I:]), [h],
+           _r(2, T, I, dtype=dtype, seed=15), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_backwards_equal_the_torch_closed_forms(dtype):
+    """kernels/triton/backward.py against the torch ops of kernels/grads.py (the same formulas): equal
+    to fp32 rounding before the one rounding to the dtype, at the learner's row counts (several rows
+    per RMSNorm program, its partial weight gradients summed), and the same bits run to run."""
+    from kernels import grads
+    from kernels.triton import backward as tb
+
+    T, H, I = 4100, 1536, 1000
+    x, w = _r(T, H, dtype=dtype, seed=20, scale=2), _r(H, dtype=dtype, seed=21) + 1
+    g = _r(T, H, dtype=dtype, seed=22)
+    fused = tb.rms_norm_backward(x, w, g, 1e-6)
+    assert all(torch.equal(p, q) for p, q in zip(fused, tb.rms_norm_backward(x, w, g, 1e-6)))
+    x_, w_ = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    grads.rms_norm(lambda p, q: kernels.rms_norm(p.detach(), q.detach(), 1e-6), x_, w_, 1e-6).backward(g)
+    ulp = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused[0].float(), x_.grad.float(), **ulp)
+    torch.testing.assert_close(fused[1].float(), w_.grad.float(), rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=1e-3)
+    a, b, gy = _r(T, I, dtype=dtype, seed=23, scale=3), _r(T, I, dtype=dtype, seed=24), _r(T, I, dtype=dtype, seed=25)
+    da, db = tb.swiglu_backward(a, b, gy)
+    a_, b_ = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    grads.swiglu(lambda p, q: kernels.swiglu(p.detach(), q.detach()), a_, b_).backward(gy)
+    torch.testing.assert_close(da.float(), a_.grad.float(), **ulp)
+    torch.testing.assert_close(db.float(), b_.grad.float(), **ulp)
+    assert all(torch.equal(p, q) for p, q in zip((da, db), tb.swiglu_backward(a, b, gy)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

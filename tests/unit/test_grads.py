@@ -88,6 +88,18 @@ def test_swiglu(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_merged_is_swiglu_of_the_halves_with_one_gradient(dtype):
+    """The merged [gate | up] form: the forward of the two halves, and the gradient of the merged
+    tensor autograd gives through the slices (both halves, leading dims kept)."""
+    h = _rand(2, 5, 96, dtype=dtype, seed=8) * 3
+    g = _rand(2, 5, 48, dtype=dtype, seed=9)
+    o_ref, (gr,) = _autograd(lambda h_: _moe.swiglu(h_[..., :48], h_[..., 48:]), [h], g)
+    o, (go,) = _ours(lambda h_: grads.swiglu_merged(_moe.swiglu, h_), [h], g)
+    assert torch.equal(o, o_ref) and go.shape == h.shape
+    _close(go, gr, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_shared", [0, 1, 2])
 def test_moe_combine(dtype, n_shared):
     T, k, H = 5, 4, 24
@@ -129,6 +141,8 @@ def test_formulas_pass_gradcheck_in_float64():
     b = _rand(4, 6, dtype=d, seed=43).requires_grad_()
     sw = lambda a_, b_: a_ / (1 + torch.exp(-a_)) * b_  # noqa: E731
     assert torch.autograd.gradcheck(lambda a_, b_: grads.swiglu(sw, a_, b_), (a, b))
+    hm = _rand(4, 12, dtype=d, seed=48).requires_grad_()
+    assert torch.autograd.gradcheck(lambda h_: grads.swiglu_merged(sw, h_), (hm,))
     y = _rand(3, 2, 5, dtype=d, seed=44).requires_grad_()
     wt = _rand(3, 2, dtype=d, seed=45).requires_grad_()
     s = _rand(3, 5, dtype=d, seed=46).requires_grad_()

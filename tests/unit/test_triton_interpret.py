@@ -225,6 +225,54 @@ for t in (1.0, 0.7):
     o = both(lambda l_: grads.logprobs_from_logits(lambda p: TL.logprobs_from_logits(p, tg, t), l_, tg, t),
              lambda l_: LP.logprobs_from_logits(l_, tg, t), [lg])
     assert torch.equal(o, TL.logprobs_from_logits(lg, tg, t))
+
+# the fused backwards (kernels/triton/backward.py) in place of the torch closed forms: against
+# autograd of the references, against the torch closed form itself (fp32 rounding apart), and the
+# same bits twice
+from kernels.triton import backward as TB
+
+
+def twice(fn, inputs):
+    a = [t.clone().requires_grad_(True) for t in inputs]
+    b = [t.clone().requires_grad_(True) for t in inputs]
+    for ins in (a, b):
+        out = fn(*ins)
+        out.backward(torch.ones_like(out) * torch.linspace(-1, 2, out.shape[-1]))
+    assert all(torch.equal(x.grad, y.grad) for x, y in zip(a, b))
+
+
+a, b = torch.randn(7, 48) * 3, torch.randn(7, 48)
+fused = lambda a_, b_: grads.swiglu(TM.swiglu, a_, b_, bwd=TB.swiglu_backward)  # noqa: E731
+o = both(fused, MO.swiglu, [a, b])
+assert torch.equal(o, TM.swiglu(a, b))
+both(fused, lambda a_, b_: grads.swiglu(TM.swiglu, a_, b_), [a, b], tol=1e-6)
+twice(fused, [a, b])
+bb = b.clone().requires_grad_(True)  # only one input takes a gradient
+grads.swiglu(TM.swiglu, a, bb, bwd=TB.swiglu_backward).sum().backward()
+torch.testing.assert_close(bb.grad, a / (1 + torch.exp(-a)), rtol=1e-6, atol=1e-6)
+h = torch.randn(2, 3, 2 * 40) * 3  # merged [gate | up], 40 columns each (a masked tail of the block)
+merged = lambda h_: grads.swiglu_merged(TM.swiglu, h_, bwd=TB.swiglu_backward)  # noqa: E731
+o = both(merged, lambda h_: MO.swiglu(h_[..., :40], h_[..., 40:]), [h])
+assert torch.equal(o, TM.swiglu(h[..., :40], h[..., 40:]))
+both(merged, lambda h_: grads.swiglu_merged(TM.swiglu, h_), [h], tol=1e-6)
+twice(merged, [h])
+TB._RMS_PROGRAMS = 3  # several rows per program and a short last program, at this size
+for shape, with_w in (((7, 64), True), ((2, 5, 40), True), ((7, 64), False)):
+    x = torch.randn(*shape) * 2
+    w = torch.randn(shape[-1]) + 1
+    ws = [w] if with_w else []
+    fn = lambda x_, *w_: grads.rms_norm(lambda p, q: TN.rms_norm(p, q, 1e-6), x_, w_[0] if w_ else None, 1e-6,  # noqa: E731
+                                        bwd=TB.rms_norm_backward)
+    plain = lambda x_, *w_: grads.rms_norm(lambda p, q: TN.rms_norm(p, q, 1e-6), x_, w_[0] if w_ else None, 1e-6)  # noqa: E731
+    o = both(fn, lambda x_, *w_: NO.rms_norm(x_, w_[0] if w_ else None, 1e-6), [x] + ws)
+    assert torch.equal(o, TN.rms_norm(x, w if with_w else None, 1e-6))
+    both(fn, plain, [x] + ws, tol=1e-6)
+    twice(fn, [x] + ws)
+xx = (torch.randn(7, 64) * 2).requires_grad_(True)  # the weight frozen: dx only
+grads.rms_norm(lambda p, q: TN.rms_norm(p, q, 1e-6), xx, w, 1e-6, bwd=TB.rms_norm_backward).sum().backward()
+ref = xx.detach().clone().requires_grad_(True)
+NO.rms_norm(ref, w, 1e-6).sum().backward()
+torch.testing.assert_close(xx.grad, ref.grad, rtol=1e-5, atol=1e-5)
 print("interpreted grads OK")
 '''
 
