@@ -522,8 +522,10 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
     H, D = c.num_heads, c.head_dim
     kind = c.layer_kinds[layer]
     cos, sin = rope_tables(c, layer, positions)
-    q_res = kernels.rms_norm(project(c, w, x, "attn.wq_a.weight"), w("attn.q_norm.weight"), c.rms_norm_eps)
-    q = project(c, w, q_res, "attn.wq_b.weight").view(T, H, D)
+    tap(f"layer{layer}.attn_rope", torch.cat([cos, sin], dim=-1))
+    q_a = tap(f"layer{layer}.attn_q_a", project(c, w, x, "attn.wq_a.weight"))
+    q_res = tap(f"layer{layer}.attn_q_res", kernels.rms_norm(q_a, w("attn.q_norm.weight"), c.rms_norm_eps))
+    q = tap(f"layer{layer}.attn_q_b", project(c, w, q_res, "attn.wq_b.weight")).view(T, H, D)
     q = tap(f"layer{layer}.attn_q", _rope_tail(kernels.rms_norm(q, None, c.rms_norm_eps), cos, sin))
     kv = kernels.rms_norm(project(c, w, x, "attn.wkv.weight"), w("attn.kv_norm.weight"), c.rms_norm_eps)
     kv = tap(f"layer{layer}.attn_kv", _rope_tail(kv.view(T, 1, D), cos, sin).view(T, D))

@@ -30,11 +30,13 @@ from contextlib import contextmanager
 
 import torch
 
-# attn_q / attn_kv / attn_idx_q / attn_idx_w: DeepSeek-V4's per-token attention inputs (query, key =
-# value row, indexer query and weights; kernels.models.dsv4.token_state), between the block's norm and
-# its attention output; families that do not record them skip them.
-TAPS_PER_LAYER = ("attn_norm", "attn_q", "attn_kv", "attn_idx_q", "attn_idx_w", "attention", "attn_out", "mlp_norm",
-                  "mlp", "output")
+# attn_rope .. attn_idx_w: DeepSeek-V4's per-token attention inputs (kernels.models.dsv4.token_state),
+# between the block's norm and its attention output, in the order they are made: the RoPE tables
+# (cos | sin of the token's position), the query's steps (wq_a, q_norm, wq_b, then the per-head norm
+# and RoPE: attn_q), the key = value row, the indexer's query and weights. Families that do not
+# record them skip them.
+TAPS_PER_LAYER = ("attn_norm", "attn_rope", "attn_q_a", "attn_q_res", "attn_q_b", "attn_q", "attn_kv", "attn_idx_q",
+                  "attn_idx_w", "attention", "attn_out", "mlp_norm", "mlp", "output")
 
 
 OUTPUT_TAPS = ("logits", "sampling")

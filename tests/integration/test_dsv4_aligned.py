@@ -160,10 +160,10 @@ def test_rz_check_dsv4_localises_a_vllm_fault_against_the_learner(check_dir):
     loc = report["localisation"]
     assert loc["against"] == "learner", loc
     assert loc["vllm"]["first_diverging_tap"] == "layer1.mlp_norm", loc
-    # layer 0 (compressed sparse): attn_norm, attn_q, attn_kv, attn_idx_q, attn_idx_w, attention,
-    # attn_out, mlp_norm, mlp, output; layer 1 (heavily compressed, no indexer): attn_norm, attn_q,
-    # attn_kv, attention, attn_out
-    assert loc["vllm"]["taps_equal_before"] == 15 and loc["vllm"]["max_abs_diff"] > 0, loc
+    # layer 0 (compressed sparse): attn_norm, attn_rope, attn_q_a, attn_q_res, attn_q_b, attn_q, attn_kv,
+    # attn_idx_q, attn_idx_w, attention, attn_out, mlp_norm, mlp, output; layer 1 (heavily compressed,
+    # no indexer): attn_norm, attn_rope, attn_q_a, attn_q_res, attn_q_b, attn_q, attn_kv, attention, attn_out
+    assert loc["vllm"]["taps_equal_before"] == 23 and loc["vllm"]["max_abs_diff"] > 0, loc
     assert "vLLM leaves the learner first at layer1.mlp_norm" in out.stdout
 
 
