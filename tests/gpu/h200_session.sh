@@ -218,7 +218,9 @@ PYEOF
         ${LEARNER_TE_DEBUG:+--te-debug} \
         > "$d/learner_gpu.log" 2>&1
       echo "rc=$? learner" >> "$d/summary.txt"
-      grep -vE "^(INFO|WARNING|\(EngineCore)" "$d/learner_gpu.log" | tail -30 | tee -a "$d/summary.txt" ;;
+      grep -vE "^(INFO|WARNING|\(EngineCore)" "$d/learner_gpu.log" | tail -30 | tee -a "$d/summary.txt"
+      # one file for all the profiles: a call's reply brings back a limited number of files
+      if [ -d "$d/prof" ]; then tar -czf "$d/prof.tgz" -C "$d" prof && rm -rf "$d/prof"; fi ;;
     stab)
       # one segment of the stability comparison on the GPU (benchmarks/stability.py, bf16 learner and
       # vLLM in both modes, tiny_moe: its run directories are small enough to travel back under $OUT).
