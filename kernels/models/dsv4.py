@@ -34,7 +34,7 @@ import kernels
 from . import dsv4_cache
 from .qwen3_dsv3 import FP8_CONFIG_KEY, FP8_SUFFIX, FP8WeightCache
 from .qwen3_dsv3 import load_state_dict as _load_tensors
-from .trace import tap
+from .trace import tap, tracing
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -522,7 +522,8 @@ def token_state(c: V4Config, w: Getter, layer: int, x: torch.Tensor, positions: 
     H, D = c.num_heads, c.head_dim
     kind = c.layer_kinds[layer]
     cos, sin = rope_tables(c, layer, positions)
-    tap(f"layer{layer}.attn_rope", torch.cat([cos, sin], dim=-1))
+    if tracing():  # the tables as one tap (the cat only while the localiser records)
+        tap(f"layer{layer}.attn_rope", torch.cat([cos, sin], dim=-1))
     q_a = tap(f"layer{layer}.attn_q_a", project(c, w, x, "attn.wq_a.weight"))
     q_res = tap(f"layer{layer}.attn_q_res", kernels.rms_norm(q_a, w("attn.q_norm.weight"), c.rms_norm_eps))
     q = tap(f"layer{layer}.attn_q_b", project(c, w, q_res, "attn.wq_b.weight")).view(T, H, D)
