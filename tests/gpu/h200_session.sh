@@ -10,6 +10,7 @@
 #          call that carried them: `bash tests/gpu/te_install.sh stash .gpu_stage/te_c1`), then the import
 #          check; exports te_env.sh's LD_LIBRARY_PATH for the stages after it (later calls: source
 #          /root/rzbin/te_env.sh). A built extension wheel comes back in $OUT/te_wheel/ (docs/gpu.md)
+#   te_fp8 TE's blockwise FP8 recipe vs the project's FP8 (benchmarks/te_fp8_compare.py; after te; TE_FP8_SHAPES)
 #   ckpt   random bf16 checkpoints for the engine benchmarks (/root/ckpt/<config>, CKPT_CONFIGS: default
 #          "moe1b dsv3_4l"; rollout_gpu.py CONFIGS)
 #   sync   colocated weight sync, ipc vs inprocess, every parameter verified (benchmarks/sync_gpu.py)
@@ -66,6 +67,12 @@ run_stage() {
       [ -f /root/rzbin/te_env.sh ] && source /root/rzbin/te_env.sh
       "$PY" -c "import transformer_engine, transformer_engine.pytorch as te; print('transformer_engine', transformer_engine.__version__)" \
         2>&1 | tail -3 | tee -a "$d/summary.txt" ;;
+    te_fp8)
+      # whether TE's Float8BlockScaling computes the project's blockwise FP8 bits (after the te stage)
+      "$PY" benchmarks/te_fp8_compare.py --out "$d/te_fp8.json" ${TE_FP8_SHAPES:+--shapes $TE_FP8_SHAPES} \
+        > "$d/te_fp8.log" 2>&1
+      echo "rc=$? te_fp8" >> "$d/summary.txt"
+      tail -8 "$d/te_fp8.log" | cut -c1-600 | tee -a "$d/summary.txt" ;;
     ckpt)
       for c in ${CKPT_CONFIGS:-moe1b dsv3_4l}; do
         [ -f "/root/ckpt/$c/config.json" ] || "$PY" benchmarks/rollout_gpu.py ckpt --config "$c" --out "/root/ckpt/$c"
