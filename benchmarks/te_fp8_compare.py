@@ -15,7 +15,11 @@ blocks, e4m3. Whether TE can replace it depends on two things, measured here per
   outputs and the largest difference relative to the output's largest magnitude; and, apart from the
   quantisation, TE's output against a float64 product of TE's own dequantised operands.
 
-A shape TE refuses is recorded with its error. Nothing here changes a recipe: the result says whether
+Expected from the sources, to be measured here: TE's scale is ``448 / amax`` rounded once
+(``compute_scale_from_amax`` in TE's recipe_common.cuh; power-of-two scales keep only its exponent),
+applied as a product ``x * scale``; the project's is ``amax / 448``, applied as a division
+``x / scale``. The two can give different codes near a rounding boundary, and cuBLAS's blockwise FP8
+GEMM accumulates in its own order. A shape TE refuses is recorded with its error. Nothing here changes a recipe: the result says whether
 ``model.fp8=blockwise`` could run through TE, and if not, by how much the two differ.
 """
 
