@@ -12,10 +12,10 @@ is bitwise; `rz check`'s localiser put the first difference at layer 0's attenti
   the compressed entries up to its last chosen one, equals that row in the full call;
 * per-token attention inputs (``token_state``: q, the key/value payload, the indexer's query and
   weights) and the hyper-connection mix: a row alone equals the row in a batch (GEMM row invariance
-  at V4's shapes, fp32 GEMMs included); also at recipes/tiny_dsv4.yaml's sizes, for single rows and
-  for chunks of 2-16 rows, tap by tap (on the H200, 2026-12-07, the localiser put the engine's first
-  difference at the query, ``layer0.attn_q``, with its input equal, and the six tests here passed at
-  the small sizes only);
+  at V4's shapes, fp32 GEMMs included), at CFG's sizes and at recipes/tiny_dsv4.yaml's, for single
+  rows and for chunks of 2-17 rows, tap by tap (on the H200, 2026-12-07, the localiser put the
+  engine's first difference at the query, ``layer0.attn_q``, with its input equal, while these tests,
+  then at the small sizes only and single rows, passed);
 * compressed entries: the bytes the engine stores (``stored_entries``, stock's fp8 format and the
   model dtype), read back (``unpack_entries``), equal what the learner pools (``layer_entries``),
   also when pooled step by step from the rows after earlier entries (``first > 0``), as the engine does;
@@ -131,34 +131,6 @@ def test_sink_attention_rows_alone_equal_rows_in_batch_on_cuda(dtype):
         assert torch.equal(eng[0], full[t]), (t, float((eng[0].float() - full[t].float()).abs().max()))
 
 
-def test_token_state_and_hc_mix_rows_alone_equal_rows_in_batch_on_cuda():
-    need_cuda()
-    import kernels
-    from kernels.models import dsv4 as R
-
-    c = _config()
-    sd = _state_dict(c)
-    g = torch.Generator().manual_seed(1)
-    T = 57
-    x = (torch.randn(T, c.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
-    pos = torch.arange(T).cuda()
-    for layer in range(c.num_layers):
-        w = _getter(sd, layer)
-        full = R.token_state(c, w, layer, x, pos)
-        for t in (0, 1, 5, 31, 56):
-            one = R.token_state(c, w, layer, x[t : t + 1], pos[t : t + 1])
-            for k in full:
-                assert torch.equal(one[k][0], full[k][t]), (layer, k, t)
-    streams = (torch.randn(T, c.hc_mult, c.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
-    args = R.hc_args(c, _getter(sd, 0), "attn")
-    kw = dict(sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.rms_norm_eps)
-    full = kernels.hc_mix(streams, *args, **kw)
-    for t in (0, 1, 30, 56):
-        one = kernels.hc_mix(streams[t : t + 1], *args, **kw)
-        for a, b in zip(one, full):
-            assert torch.equal(a[0], b[t]), t
-
-
 # recipes/tiny_dsv4.yaml's sizes (the model `rz check tiny_dsv4` runs): its GEMMs have other shapes than
 # CFG's (wq_a 256 -> 128, wq_b 128 -> 16 x 512, wkv 256 -> 512, the indexer's 64 x 128 heads), so the
 # GEMM picks another tile per row count (kernels.triton.gemm.pick_config) than at CFG's sizes
@@ -167,28 +139,47 @@ TINY_DSV4 = dict(CFG, vocab_size=384, hidden_size=256, num_attention_heads=16, h
                  moe_intermediate_size=128, sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512)
 
 
-def test_token_state_rows_equal_at_tiny_dsv4_sizes_alone_and_in_chunks_on_cuda():
-    """The engine's row counts at the recipe's sizes: one decode row, a few concurrent decode rows, a
-    prefill chunk; each row of token_state (query and its steps, key row, indexer) equals the row of
-    the whole 57-token call (the learner's), tap by tap."""
+@pytest.mark.parametrize("sizes", ["small", "tiny_dsv4"])
+def test_token_state_rows_alone_and_in_chunks_equal_rows_of_the_whole_call_on_cuda(sizes):
+    """The engine's row counts: single decode rows, a few concurrent decode rows, a prefill chunk; each
+    row of token_state (query and its steps, key row, indexer) equals the row of the whole 57-token
+    call (the learner's), tap by tap, at CFG's sizes and at the recipe's."""
     need_cuda()
     from kernels.models import dsv4 as R
 
-    c = R.v4_config(TINY_DSV4)
+    c = _config() if sizes == "small" else R.v4_config(TINY_DSV4)
     sd = _state_dict(c)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(1)
     T = 57
     x = (torch.randn(T, c.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
     pos = torch.arange(T).cuda()
     for layer in range(c.num_layers):
         w = _getter(sd, layer)
         full, ftaps = _traced(lambda: R.token_state(c, w, layer, x, pos))
-        for a, b in ((0, 1), (2, 3), (5, 13), (1, 17), (40, 57)):
+        for a, b in ((0, 1), (1, 2), (2, 3), (5, 6), (31, 32), (56, 57), (5, 13), (1, 17), (40, 57)):
             part, ptaps = _traced(lambda: R.token_state(c, w, layer, x[a:b], pos[a:b]))
             rows = {k: v[a:b] for k, v in ftaps.items()}
             bad = [k for k in ptaps if not torch.equal(ptaps[k], rows[k])]
             bad += [k for k in full if not torch.equal(part[k], full[k][a:b])]
             assert not bad, (layer, (a, b), bad, _first_diff(ptaps, rows, slice(0, b - a)))
+
+
+def test_hc_mix_rows_alone_equal_rows_in_batch_on_cuda():
+    need_cuda()
+    import kernels
+    from kernels.models import dsv4 as R
+
+    c = _config()
+    sd = _state_dict(c)
+    g = torch.Generator().manual_seed(1)
+    streams = (torch.randn(57, c.hc_mult, c.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
+    args = R.hc_args(c, _getter(sd, 0), "attn")
+    kw = dict(sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+    full = kernels.hc_mix(streams, *args, **kw)
+    for t in (0, 1, 30, 56):
+        one = kernels.hc_mix(streams[t : t + 1], *args, **kw)
+        for a, b in zip(one, full):
+            assert torch.equal(a[0], b[t]), t
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "model"])
