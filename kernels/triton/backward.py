@@ -21,7 +21,6 @@ shapes alone, and no atomics are used. They agree with the torch closed forms to
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -30,21 +29,8 @@ import triton.language as tl
 
 __all__ = ["swiglu_backward", "rms_norm_backward"]
 
-_USE_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
-if _USE_LIBDEVICE:
-    from triton.language.extra import libdevice
-_LIBDEVICE = tl.constexpr(_USE_LIBDEVICE)
-
 # rows of the RMSNorm backward per program: about this many programs, whatever the row count
 _RMS_PROGRAMS = 1024
-
-
-@triton.jit
-def _exp(x):
-    if _LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
@@ -55,7 +41,8 @@ def _swiglu_bwd_kernel(a_ptr, b_ptr, g_ptr, da_ptr, db_ptr, N, sa, sb, sg, sda, 
     m = offs < N
     a = tl.load(a_ptr + row * sa + offs, mask=m, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * sg + offs, mask=m, other=0.0).to(tl.float32)
-    s = tl.math.div_rn(1.0, 1.0 + _exp(-a))
+    # tl.exp, not the forwards' libdevice exp: a gradient needs fp32 accuracy, not the forward's bits
+    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
     if NEED_DA:
         b = tl.load(b_ptr + row * sb + offs, mask=m, other=0.0).to(tl.float32)
         da = g * b * s * (1.0 + a * (1.0 - s))
