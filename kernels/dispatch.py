@@ -403,9 +403,8 @@ def route(logits: torch.Tensor, top_k: int, *, score: str = "softmax", expert_bi
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not (use_triton(gate) and _same_float(gate, up)):
         return _moe.swiglu(gate, up)
-    from .triton.moe import swiglu as tswiglu
-
     from .triton.backward import swiglu_backward
+    from .triton.moe import swiglu as tswiglu
 
     if not _needs_grad(gate, up):
         with torch.no_grad():
