@@ -224,6 +224,23 @@ def cpu_onednn_isa_refusal(dtype: str, aligned: bool) -> str | None:
             "float32 (rollout.dtype=float32)")
 
 
+def _colocated_memory_cap() -> dict[str, Any]:
+    """On a CUDA machine whose GPU already holds another process's memory (the colocated learner),
+    cap vLLM's `gpu_memory_utilization` at what is free. The KV cache is sized by
+    `kv_cache_memory_bytes`; vLLM 0.26 still refuses to start when utilization x total exceeds the
+    free memory (default 0.92: an H100 with a 6.6 GiB learner beside it has 0.917 free)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        free, total = torch.cuda.mem_get_info()
+    except Exception:  # no usable CUDA runtime: vLLM's own default
+        return {}
+    frac = free / total - 0.02
+    return {"gpu_memory_utilization": round(frac, 3)} if frac < 0.92 else {}
+
+
 def _is_mla_config(model_dir: str) -> bool:
     cfg = _config(model_dir)
     return bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in ("deepseek_v2", "deepseek_v3")
@@ -370,6 +387,7 @@ class RolloutEngine:
             max_num_batched_tokens=max(max_model_len, 2048),
             tensor_parallel_size=1,
         )
+        kwargs.update(_colocated_memory_cap())
         env: dict[str, str] = {}
         self.aligned = aligned
         # Blockwise FP8 inside the model (recipe model.fp8): this argument, else the checkpoint's

@@ -216,7 +216,11 @@ def _record_loads(model, vllm_config, shapes: dict) -> list[tuple[str, str, Any,
     model's load_weights makes for meta tensors of the checkpoint's shapes; the model keeps its tensors."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise as lw
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    try:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    except ImportError:  # vLLM 0.26 (CUDA) has the reload package without this set: 0.32's members
+        SKIP_LOAD_TENSORS = {"_expert_map", "expert_mask", "expert_global_to_physical",
+                             "expert_physical_to_global", "expert_local_to_global", "e_score_correction_bias"}
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
     module_name = {id(m): n for n, m in model.named_modules()}

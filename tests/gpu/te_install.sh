@@ -22,10 +22,12 @@
 #     put it in .gpu_stage/te/built/ here and stage_te.sh stages it, so the next machine skips step 3;
 #  5. pip install --target $SITE (no index, no deps) of the sm_90 core wheel, the meta wheel and the
 #     extension: one pip call, as they share the transformer_engine/ folder;
-#  6. /root/rzbin/te_env.sh: LD_LIBRARY_PATH += the image's nvidia/{cudnn,nccl,cu13}/lib, so that the
+#  6. /root/rzbin/te_env.sh: CUDNN_HOME = the image's nvidia/cudnn (TE's own loader looks there first,
+#     else it takes a toolkit cuDNN torch did not load); LD_LIBRARY_PATH += the image's nvidia/{cudnn,nccl,cu13}/lib, so that the
 #     core library's cuDNN / NCCL / cuBLAS resolve to torch's copies also when TE is imported first;
-#  7. the check: import transformer_engine.pytorch (its version), a TE RMSNorm+Linear and a grouped
-#     linear forward + backward in bf16, megatron-core's HAVE_TE, te_spec.te_unavailable() is None.
+#  7. the check: import transformer_engine.pytorch (its version), a TE RMSNorm+Linear, a grouped
+#     linear and a causal DotProductAttention forward + backward in bf16 (the attention backend it picked
+#     and the cuDNN it loaded, beside torch's), megatron-core's HAVE_TE, te_spec.te_unavailable() is None.
 set -euo pipefail
 TE_VER=2.20.2
 STASH=${TE_STASH:-/root/te_stage}
@@ -157,6 +159,10 @@ PY
 # written by tests/gpu/te_install.sh: source after device_env.sh. Transformer Engine's core library
 # needs cuDNN, NCCL and cuBLAS; these are the copies torch itself loads (the image's nvidia-* packages).
 export LD_LIBRARY_PATH="\${LD_LIBRARY_PATH:+\$LD_LIBRARY_PATH:}$LIBS"
+# TE loads cuDNN itself, from CUDNN_HOME before CUDA_HOME and /usr/local/cuda: without this it took a
+# cuDNN 9.14 found under the toolkit while torch had loaded its 9.19, and cuDNN's sub-libraries then
+# failed to load (CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED), so TE ran its unfused attention.
+export CUDNN_HOME="$PURELIB/nvidia/cudnn"
 EOF
   touch "$SITE/.te_installed"
 fi
@@ -181,6 +187,18 @@ z.float().square().mean().backward()
 torch.cuda.synchronize()
 print(f"TE RMSNorm+Linear {tuple(y.shape)} and grouped linear {tuple(z.shape)}: forward + backward ok "
       f"({torch.cuda.get_device_name()}, finite: {bool(torch.isfinite(x.grad).all())})")
+# TE's attention for a learner's shapes: which backend it picks, with the cuDNN it loaded
+from transformer_engine.pytorch.utils import get_cudnn_version
+from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+q, k, v = (torch.randn(512, 2, 12, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+attn = te.DotProductAttention(12, 128, num_gqa_groups=12, attn_mask_type="causal", qkv_format="sbhd")
+attn(q, k, v).float().square().mean().backward()
+torch.cuda.synchronize()
+b = dpa._attention_backends
+picked = ("flash" if b.get("use_flash_attention") else "fused (cuDNN)" if b.get("use_fused_attention")
+          else "unfused")
+print(f"TE attention (sbhd, causal, 12 heads of 128, bf16): {picked}; TE's cuDNN "
+      f"{'.'.join(map(str, get_cudnn_version()))}, torch's {torch.backends.cudnn.version()}")
 from megatron.core.extensions import transformer_engine as mc_te
 from megatron_rz.learner.te_spec import te_unavailable
 print("megatron-core HAVE_TE:", mc_te.HAVE_TE, "| te_spec.te_unavailable():", te_unavailable())
