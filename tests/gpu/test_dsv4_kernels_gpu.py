@@ -139,24 +139,31 @@ TINY_DSV4 = dict(CFG, vocab_size=384, hidden_size=256, num_attention_heads=16, h
                  moe_intermediate_size=128, sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512)
 
 
+# (whole call's rows, the slices computed alone): the engine's decode rows and prefill chunks inside
+# a learner's call of 57 rows (one sequence) and of 300 rows (a micro-batch of 16 short sequences,
+# where the GEMM picks a larger tile than at 57 rows; `rz check tiny_dsv4` runs such micro-batches)
+ROW_PLANS = {57: ((0, 1), (1, 2), (2, 3), (5, 6), (31, 32), (56, 57), (5, 13), (1, 17), (40, 57)),
+             300: ((0, 1), (0, 3), (0, 40), (3, 11), (40, 140), (17, 241), (299, 300))}
+
+
+@pytest.mark.parametrize("T", sorted(ROW_PLANS))
 @pytest.mark.parametrize("sizes", ["small", "tiny_dsv4"])
-def test_token_state_rows_alone_and_in_chunks_equal_rows_of_the_whole_call_on_cuda(sizes):
+def test_token_state_rows_alone_and_in_chunks_equal_rows_of_the_whole_call_on_cuda(sizes, T):
     """The engine's row counts: single decode rows, a few concurrent decode rows, a prefill chunk; each
-    row of token_state (query and its steps, key row, indexer) equals the row of the whole 57-token
-    call (the learner's), tap by tap, at CFG's sizes and at the recipe's."""
+    row of token_state (query and its steps, key row, indexer) equals the row of the whole call
+    (the learner's), tap by tap, at CFG's sizes and at the recipe's."""
     need_cuda()
     from kernels.models import dsv4 as R
 
     c = _config() if sizes == "small" else R.v4_config(TINY_DSV4)
     sd = _state_dict(c)
     g = torch.Generator().manual_seed(1)
-    T = 57
     x = (torch.randn(T, c.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
     pos = torch.arange(T).cuda()
     for layer in range(c.num_layers):
         w = _getter(sd, layer)
         full, ftaps = _traced(lambda: R.token_state(c, w, layer, x, pos))
-        for a, b in ((0, 1), (1, 2), (2, 3), (5, 6), (31, 32), (56, 57), (5, 13), (1, 17), (40, 57)):
+        for a, b in ROW_PLANS[T]:
             part, ptaps = _traced(lambda: R.token_state(c, w, layer, x[a:b], pos[a:b]))
             rows = {k: v[a:b] for k, v in ftaps.items()}
             bad = [k for k in ptaps if not torch.equal(ptaps[k], rows[k])]

@@ -72,7 +72,9 @@ def test_gemm_random_batches(K, N):
         assert torch.equal(y, alone[idx]), f"trial {trial} M={M}"
 
 
-@pytest.mark.parametrize("K,N", [(4096, 4096), (7168, 2048), (320, 200), (4096, 1000)])
+# the last three: tiny_dsv4's query down / up and key projections (hidden 256, q_lora 128, 16 x 512 heads)
+@pytest.mark.parametrize("K,N", [(4096, 4096), (7168, 2048), (320, 200), (4096, 1000), (256, 128), (128, 8192),
+                                 (256, 512)])
 def test_gemm_all_configs_identical(K, N):
     """Every config of the dispatcher table gives the same bits (bf16 and fp32 out, with bias)."""
     _need_cuda()
