@@ -270,7 +270,7 @@ def report(root: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res = {"experiment": meta, "legs": {d.name: leg_figures(d) for d in legs}, "lags": {}}
     lags = sorted({int(d.name.split("lag")[1]) for d in legs})
-    lines = ["# Stability experiment", "", f"recipe `{meta.get('recipe')}`, overrides `{' '.join(meta.get('overrides', []))}`, "
+    lines = ["# Stability experiment", "", f"recipe `{meta.get('recipe')}`, overrides `{' '.join(dict.fromkeys(meta.get('overrides', [])))}`, "
              f"fast legs also `{' '.join(meta.get('fast_overrides', []))}`", "",
              "| leg | updates | D3 peak / median | D3 median first -> last 10% | KL k1 median first -> last 10% | "
              "max grad norm | max IS weight | bitwise | reward first -> last 10% | eval first -> last |",
@@ -400,7 +400,7 @@ def sweep_report(root: Path, out: Path, plots: bool = True) -> dict:
         return "-" if x is None else (f"{x:.{p}g}" if isinstance(x, float) else str(x))
 
     lines = ["# Learning-rate sweep: aligned, lag " + str(meta["lag"]), "",
-             f"recipe `{meta.get('recipe')}`, overrides `{' '.join(meta.get('overrides', []))}`, then `algo.lr=LR`; "
+             f"recipe `{meta.get('recipe')}`, overrides `{' '.join(dict.fromkeys(meta.get('overrides', [])))}`, then `algo.lr=LR`; "
              f"{steps} updates per lr, mode {meta['mode']}, schedule.max_lag={meta['lag']}, from one base model.", "",
              f"Stable = all {steps} updates done with none skipped and every loss and gradient norm finite, KL k1 "
              f"median over the last 10% of updates <= {KL_GROWTH_MAX:g} x that of the first 10%, mean train reward "
