@@ -325,7 +325,8 @@ def _print_setting(report: dict, one: dict) -> None:
         for who in ("vllm", "learner"):  # a family with its own learner module: vLLM against the learner only
             if who in loc:
                 label = f"{who} vs the learner" if loc.get("against") == "learner" else f"{who} vs the reference"
-                c.print(f"  {label}: {json.dumps(loc[who])}")
+                shown = {k: v for k, v in loc[who].items() if k != "input_row"}  # the row: check.json only
+                c.print(f"  {label}: {json.dumps(shown)}")
 
 
 def main_check(recipe: Recipe, num_prompts: int, samples: int, inject_fault: str | list[str] | None = None) -> int:

@@ -146,9 +146,21 @@ def learner_trace(learner, ids: list[int], prompt_len: int | None = None,
     return out
 
 
+# what a divergence record carries of the first differing row: up to this many differing elements, and
+# the input tap's whole row (the tap just before, equal on both sides) up to this many values
+DIFF_ELEMENTS = 8
+INPUT_ROW_MAX = 8192
+
+
 def first_divergence(ref: dict[str, torch.Tensor], side: dict[str, torch.Tensor], order: list[str]) -> dict:
-    """The first tap (in forward order) where `side` is not bitwise equal to `ref`."""
+    """The first tap (in forward order) where `side` is not bitwise equal to `ref`. Besides where and
+    by how much, the record holds what an offline recomputation of that one row needs: the differing
+    elements of its first differing position (`differing_elements`: [column, reference, side], in
+    the tap's dtype widened to float64, at most DIFF_ELEMENTS) and the row of the tap before it
+    (`input_tap`, `input_row`: equal on both sides, so the reference's), e.g. a GEMM's input row when
+    the diverging tap is its output."""
     compared = 0
+    prev = None
     for name in order:
         if name not in ref or name not in side:
             continue
@@ -158,14 +170,25 @@ def first_divergence(ref: dict[str, torch.Tensor], side: dict[str, torch.Tensor]
             return {"first_diverging_tap": name, "reason": f"shape {tuple(b.shape)} vs reference {tuple(a.shape)}"}
         compared += 1
         if not torch.equal(a, b):
-            bad = (a != b).any(dim=1).nonzero()
-            return {
+            bad = (a != b).reshape(n, -1).any(dim=1).nonzero()
+            pos = int(bad[0])
+            ra, rb = a[pos].reshape(-1), b[pos].reshape(-1)
+            cols = (ra != rb).nonzero().flatten()[:DIFF_ELEMENTS].tolist()
+            out = {
                 "first_diverging_tap": name,
-                "first_position": int(bad[0]),
+                "first_position": pos,
                 "positions_differing": int(bad.numel()),
-                "max_abs_diff": float((a - b).abs().max()),
+                "max_abs_diff": float((a.double() - b.double()).abs().max()),
                 "taps_equal_before": compared - 1,
+                "dtype": str(a.dtype).removeprefix("torch."),
+                "differing_elements": [[c, float(ra[c]), float(rb[c])] for c in cols],
             }
+            if prev is not None and pos < ref[prev].shape[0]:
+                row = ref[prev][pos].cpu().reshape(-1)
+                out["input_tap"] = prev
+                out["input_row"] = row.double().tolist() if row.numel() <= INPUT_ROW_MAX else f"{row.numel()} values"
+            return out
+        prev = name
     return {"first_diverging_tap": None, "taps_compared": compared}
 
 

@@ -661,3 +661,40 @@ def test_triton_on_cpu_diagnosis_switch_routes_cpu_tensors_to_the_gpu_path():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert on.stdout.split() == ["True", "True"], on.stdout + on.stderr[-2000:]
     assert off.stdout.split() == ["False", "True"], off.stdout + off.stderr[-2000:]
+
+
+def test_gemm_row_recompute_reads_a_localiser_record_in_the_interpreter(tmp_path):
+    """benchmarks/gemm_row_recompute.py on a record like rz check's (fp32: the interpreter truncates
+    bf16): the exact value and every config at every row count give the learner's value here, and a
+    vLLM value one ulp off is matched by none of them."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 32, generator=g) * 0.2, torch.randn(32, generator=g)
+    (tmp_path / "model").mkdir()
+    save_file({"layers.2.attn.wq_b.weight": w}, str(tmp_path / "model" / "model.safetensors"))
+    y = (x[None] @ w.T)[0]
+    side = y.clone()
+    side.view(torch.int32)[3] += 1
+    rec = {"first_diverging_tap": "layer2.attn_q_b", "first_position": 0, "dtype": "float32",
+           "differing_elements": [[3, float(y[3]), float(side[3])]], "input_tap": "layer2.attn_q_res",
+           "input_row": x.double().tolist()}
+    (tmp_path / "check.json").write_text(json.dumps({"localisation": {"vllm": rec}}))
+    out = tmp_path / "out.json"
+    _interpret(f'''
+import sys
+sys.argv = ["x", "--check", {str(tmp_path / "check.json")!r}, "--model", {str(tmp_path / "model")!r},
+            "--rows", "1,17", "--device", "cpu", "--out", {str(out)!r}]
+sys.path.insert(0, "benchmarks")
+import gemm_row_recompute
+assert gemm_row_recompute.main(sys.argv[1:]) == 0
+print("recompute done")
+''', "recompute done")
+    res = json.loads(out.read_text())
+    assert res["tap"] == "layer2.attn_q_b" and res["columns"] == [3]
+    assert res["float64_rounded"] == res["learner"] != res["vllm"]
+    runs = [v for by in res["configs"].values() for v in by.values()]
+    assert len(runs) >= 3 * 5 and all(v == res["learner"] for v in runs)
