@@ -115,9 +115,17 @@ def _agree(status: str, error: BaseException | None, what: str) -> str:
     return said
 
 
-def _counted(buckets, tally: list[int]):
-    """The bucket stream, adding each bucket's bytes to tally[0] as it passes."""
-    for b in buckets:
+def _counted(buckets, tally: list):
+    """The bucket stream, adding each bucket's bytes to tally[0] as it passes and the seconds spent
+    making it (the learner's export: gathers, HF names, bucketing) to tally[1]; the transport's own
+    time (files, copies, RPCs) is what the push takes beyond that."""
+    it = iter(buckets)
+    while True:
+        t0 = time.perf_counter()
+        b = next(it, None)
+        tally[1] += time.perf_counter() - t0
+        if b is None:
+            return
         tally[0] += sum(t.numel() * t.element_size() for t in b.values())
         yield b
 
@@ -150,25 +158,26 @@ def collective_sync(recipe: Recipe) -> bool:
     return resolve(r.weight_transport, where=r.where, max_lag=recipe.schedule.max_lag) == "reshard"
 
 
-def push_weights(learner, rollout, step: int, *, verify: bool, collective: bool = False) -> int:
+def push_weights(learner, rollout, step: int, *, verify: bool, collective: bool = False) -> dict:
     """Collective: the learner's weights (version learner.version) into the rollout, bucket by
     bucket through its weight transport. A local engine that dies meanwhile is restarted and the
-    push re-run (every rank walks the stream again); any other error stops every rank. Returns the
-    bytes this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0).
+    push re-run (every rank walks the stream again); any other error stops every rank. Returns
+    {"bytes": what this rank pushed (rank 0: the whole model's; the other ranks yield no buckets: 0),
+    "export_s": the time this rank spent making the buckets (the rest of the push is the transport's)}.
     ``collective`` (rollout.weight_transport=reshard, known on every rank: the rollout lives on
     rank 0 only): every rank writes its slices of the engine workers' shards instead
-    (push_resharded); the bytes returned are then this rank's share."""
+    (push_resharded); the bytes are then this rank's share and ``export_s`` None (no bucket stream)."""
     if collective:
-        return push_resharded(learner, rollout, step, verify=verify)
+        return {"bytes": push_resharded(learner, rollout, step, verify=verify), "export_s": None}
     while True:
-        tally = [0]
+        tally = [0, 0.0]
         buckets = _counted(weights.hf_buckets(learner), tally)
         status, error = _on_rank0(rollout, step, learner.version,
                                   lambda: rollout.push_weights(buckets, learner.version, verify=verify),
                                   cleanup=lambda: _drain(buckets))
         _drain(buckets)  # the other ranks walk the stream (collective) without pushing
         if _agree(status, error, f"the weight push of update {step + 1}") == "ok":
-            return tally[0]
+            return {"bytes": tally[0], "export_s": tally[1]}
 
 
 def push_resharded(learner, rollout, step: int, *, verify: bool) -> int:
@@ -401,8 +410,8 @@ def train(recipe: Recipe) -> dict:
             t2 = time.perf_counter()
 
             r = recipe.rollout
-            sync_bytes = push_weights(learner, rollout, step, collective=collective_sync(recipe),
-                                      verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
+            pushed = push_weights(learner, rollout, step, collective=collective_sync(recipe),
+                                  verify=r.verify_sync and (step % r.verify_every == 0 or step == steps - 1))
             t3 = time.perf_counter()
             # (the last step's evaluation is the final one, after the loop)
             value = None
@@ -431,7 +440,9 @@ def train(recipe: Recipe) -> dict:
                     "time_rollout_wait": t1 - t0,
                     "time_learner": t2 - t1,
                     "time_sync": t3 - t2,
-                    "sync_bytes": sync_bytes,  # the weights pushed after this update (all of them)
+                    "sync_bytes": pushed["bytes"],  # the weights pushed after this update (all of them)
+                    # of time_sync: the learner's export of the buckets (the rest is the transport's)
+                    **({"time_sync_export": pushed["export_s"]} if pushed["export_s"] is not None else {}),
                     "time_step": t3 - t0,
                     "samples_per_s": batch.input_ids.shape[0] / (t3 - t0),
                     "tokens_per_s": resp.sum().item() / (t3 - t0),
@@ -573,6 +584,9 @@ def step_split(rows: list[dict]) -> dict:
     for k in STEP_PARTS:
         v = [float(x.get(k, 0.0)) for x in use]
         out[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    if use and all("time_sync_export" in x for x in use):  # of the sync: the learner's export of the buckets
+        v = [float(x["time_sync_export"]) for x in use]
+        out["time_sync_export"] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
     return out
 
 
