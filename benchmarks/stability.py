@@ -237,6 +237,13 @@ def leg_figures(run_dir: Path, limit: int | None = None) -> dict:
         "d3_median_first_10pct": _median(d3[:tenth]), "d3_median_last_10pct": _median(d3[-tenth:]),
         "kl_k1_median_first_10pct": _median([r.get("kl_k1") for r in tr[:tenth]]),
         "kl_k1_median_last_10pct": _median([r.get("kl_k1") for r in tr[-tenth:]]),
+        # the KL's course, not only its ends: the median of each tenth of the updates (the last tenth
+        # takes the remainder), and the policy's entropy at both ends (a sharper policy moves each
+        # token's logprob more per update, so the weight-lag part of the KL grows as entropy falls)
+        "kl_k1_median_by_tenth": [_median([r.get("kl_k1") for r in tr[i * tenth:(i + 1) * tenth if i < 9 else None]])
+                                  for i in range(10)] if len(tr) >= 10 else None,
+        "entropy_first_10pct": _median([r.get("entropy_est") for r in tr[:tenth]]),
+        "entropy_last_10pct": _median([r.get("entropy_est") for r in tr[-tenth:]]),
         "grad_norm_max": max((r["grad_norm"] for r in tr if isinstance(r.get("grad_norm"), (int, float))), default=None),
         "is_weight_max": max((r["is_w_max"] for r in tr if isinstance(r.get("is_w_max"), (int, float))), default=None),
         "frac_bitwise_mean": sum(r.get("frac_bitwise", 0.0) for r in tr) / len(tr),
@@ -273,8 +280,9 @@ def report(root: Path, out: Path) -> dict:
     lines = ["# Stability experiment", "", f"recipe `{meta.get('recipe')}`, overrides `{' '.join(dict.fromkeys(meta.get('overrides', [])))}`, "
              f"fast legs also `{' '.join(meta.get('fast_overrides', []))}`", "",
              "| leg | updates | D3 peak / median | D3 median first -> last 10% | KL k1 median first -> last 10% | "
-             "max grad norm | max IS weight | bitwise | reward first -> last 10% | eval first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "entropy first -> last 10% | max grad norm | max IS weight | bitwise | reward first -> last 10% | "
+             "eval first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, p=3):
         return "-" if x is None else (f"{x:.{p}g}" if isinstance(x, float) else str(x))
@@ -284,8 +292,15 @@ def report(root: Path, out: Path) -> dict:
             continue
         lines.append(f"| {name} | {r['updates']} | {f(r['d3_peak_over_median'])} | {f(r['d3_median_first_10pct'])} -> "
                      f"{f(r['d3_median_last_10pct'])} | {f(r['kl_k1_median_first_10pct'])} -> {f(r['kl_k1_median_last_10pct'])} | "
+                     f"{f(r.get('entropy_first_10pct'))} -> {f(r.get('entropy_last_10pct'))} | "
                      f"{f(r['grad_norm_max'])} | {f(r['is_weight_max'])} | {f(r['frac_bitwise_mean'])} | "
                      f"{f(r['reward_first_10pct'])} -> {f(r['reward_last_10pct'])} | {f(r['eval_first'])} -> {f(r['eval_last'])} |")
+    tenths = [(n, r["kl_k1_median_by_tenth"]) for n, r in res["legs"].items() if r.get("kl_k1_median_by_tenth")]
+    if tenths:
+        lines += ["", "KL k1 median in each tenth of the leg's updates:", "",
+                  "| leg | " + " | ".join(str(i + 1) for i in range(10)) + " |", "|---|" + "---|" * 10]
+        lines += [f"| {n} | " + " | ".join(f(x) for x in by) + " |" for n, by in tenths]
+        lines.append("")
     for lag in lags:
         a, fa = res["legs"].get(f"aligned_lag{lag}", {}), res["legs"].get(f"fast_lag{lag}", {})
         both = [d for d in legs if d.name in (f"aligned_lag{lag}", f"fast_lag{lag}")]

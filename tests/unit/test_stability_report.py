@@ -16,7 +16,8 @@ def _write(d: Path, d3s, grad=None):
     rows = [{"step": 0, "eval_reward": 0.4}]
     for i, x in enumerate(d3s, 1):
         rows.append({"step": i, "d3": x, "kl_k1": 2 * x, "max_abs_dlogp": 0.1, "frac_bitwise": 0.5,
-                     "grad_norm": (grad or {}).get(i, 0.1), "is_w_max": 1.0 + x, "reward_mean": i / len(d3s)})
+                     "grad_norm": (grad or {}).get(i, 0.1), "is_w_max": 1.0 + x, "reward_mean": i / len(d3s),
+                     "entropy_est": 1.0 / i})
     rows.append({"step": len(d3s), "eval_reward": 0.8})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -36,9 +37,12 @@ def test_report_figures_and_ratio(tmp_path):
     assert a["d3_median_first_10pct"] == 1.0 and f["d3_median_last_10pct"] == 40.0
     assert a["grad_norm_max"] == 0.5 and f["grad_norm_max"] == 5.0
     assert a["eval_first"] == 0.4 and a["eval_last"] == 0.8
+    assert a["kl_k1_median_by_tenth"] == [2.0] * 9 + [8.0] and a["entropy_first_10pct"] == 1.0
+    assert a["entropy_last_10pct"] == 0.1
     assert res["lags"]["2"]["fast_over_aligned_d3_peak_over_median"] == 10.0
     assert (tmp_path / "out" / "plots_lag2" / "compare_d3.png").is_file()
-    assert "| fast_lag2 | 10 |" in (tmp_path / "out" / "report.md").read_text()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| fast_lag2 | 10 |" in md and "| fast_lag2 | 2 | 2 | 2 | 2 | 2 | 2 | 2 | 2 | 2 | 80 |" in md
     # another experiment's files are never overwritten
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.txt").write_text("keep")
