@@ -228,7 +228,9 @@ def _colocated_memory_cap() -> dict[str, Any]:
     """On a CUDA machine whose GPU already holds another process's memory (the colocated learner),
     cap vLLM's `gpu_memory_utilization` at what is free. The KV cache is sized by
     `kv_cache_memory_bytes`; vLLM 0.26 still refuses to start when utilization x total exceeds the
-    free memory (default 0.92: an H100 with a 6.6 GiB learner beside it has 0.917 free)."""
+    free memory (default 0.92: an H100 with a 6.6 GiB learner beside it has 0.917 free). The query
+    opens a CUDA context in this process (vLLM then starts its engine core by spawn, as it does
+    whenever CUDA is initialised); an empty GPU keeps vLLM's default."""
     try:
         import torch
 
