@@ -319,8 +319,9 @@ class InlineRollout:
 
     Interface shared with rollout_process.RolloutProcess (what train() calls):
     ``push_weights(buckets, version, verify=)``, ``batch(k) -> (samples, meta)``, ``evaluate()``
-    (None where only before/after evaluations exist), ``eval_before()``, ``finish()``, ``close()``,
-    ``restart(error, step, version)``, ``pad_id``."""
+    (None where the evaluations run elsewhere), ``periodic_evals()`` (those made elsewhere since the
+    last call: the rollout process's, every schedule.eval_every versions), ``eval_before()``,
+    ``finish()``, ``close()``, ``restart(error, step, version)``, ``pad_id``."""
 
     def __init__(self, recipe: Recipe, base: Path, run_dir: Path, v0: int, start_step: int, *, engine=None):
         self.recipe, self.run_dir, self.v0, self.start_step = recipe, Path(run_dir), int(v0), int(start_step)
@@ -348,6 +349,9 @@ class InlineRollout:
 
     def evaluate(self) -> dict | None:
         return self.side.evaluate()
+
+    def periodic_evals(self) -> list[tuple[int, dict]]:
+        return []  # this loop evaluates in train() itself (evaluate(), after every eval_every updates)
 
     def batch(self, k: int) -> tuple[list, dict]:
         p = self.producer

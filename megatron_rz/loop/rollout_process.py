@@ -14,7 +14,8 @@ Processes
                     stream, the same surface over HTTP).
 
 Channels (rank 0 <-> rollout process: multiprocessing queues)
-    results  rollout -> learner, bounded (max_lag + 2): ("ready", info), ("eval", tag, value),
+    results  rollout -> learner, bounded (max_lag + 2): ("ready", info), ("eval", tag, value) (tag
+             "before" / "after", or the weights version of a periodic evaluation),
              ("batch", k, samples, meta), ("error", traceback), ("done", info).
     control  learner -> rollout: ("weights", version, bucket paths), ("stop", final_eval).
     weights  the filesystem transport (what rollout.weight_transport resolves to here): rank 0
@@ -25,6 +26,12 @@ Channels (rank 0 <-> rollout process: multiprocessing queues)
              applies only the newest version it has received (swap_weights: pause at a step
              boundary, the engine's staging protocol, relabel, resume; requests in flight keep going
              with their KV cache) and deletes every version it has applied or skipped.
+
+Periodic evaluation (schedule.eval_every = E > 0): once the engine holds a version at or past the next
+multiple of E (and before the last version, whose evaluation is the final one), the rollout submits no
+new batch until its requests in flight finish, evaluates with the weights it holds, sends ("eval",
+version, metrics) and goes on. The learner logs it with its next training row (``eval_version``: the
+weights it measured; the synchronous loop's evaluation after update E is version E exactly).
 
 Lag bound: Producer.allowed on the producer side (a batch's prompts are submitted only once the
 engine holds a recent enough version; the wait is logged as ``rollout_blocked_s``), and the loop
@@ -161,6 +168,11 @@ class _ProcessLoop:
         self.restarts = 0
         self.stopping = False
         self.final_eval = False
+        # periodic evaluation: the next version to evaluate at (a multiple of eval_every), and whether
+        # the engine holds one at or past it (then submissions wait for the requests in flight)
+        self.eval_every = self.recipe.schedule.eval_every
+        self.next_eval = (producer.v0 // self.eval_every + 1) * self.eval_every if self.eval_every else None
+        self.eval_due = False
 
     def _check_parent(self) -> None:
         if not self.learner_alive():
@@ -213,6 +225,8 @@ class _ProcessLoop:
         self.gen.swap_weights(v, update=update)
         if r.verify_sync and (v % r.verify_every == 0 or v == self.p.v0 + self.p.total):
             self._verify(update)
+        if self.next_eval is not None and self.next_eval <= v < self.p.v0 + self.p.total:
+            self.eval_due = True
         if self.side.restartable:  # keep the files of the weights the engine holds (a restart loads them)
             if self.kept is not None:
                 self._drop(self.kept[1])
@@ -265,6 +279,14 @@ class _ProcessLoop:
             except RolloutEngineError as e:
                 self.restart(e)
 
+    def evaluate_now(self) -> None:
+        """The periodic evaluation, nothing in flight: with the weights the engine holds, sent as
+        ("eval", version, metrics); the next one is due at the next multiple of eval_every."""
+        v = self.gen.version
+        self._put(("eval", int(v), self.evaluate()))
+        self.eval_due = False
+        self.next_eval = (v // self.eval_every + 1) * self.eval_every
+
     def emit_ready(self) -> None:
         for k, samples, meta in self.p.pop_ready():
             self._put(("batch", k, samples, meta))
@@ -310,7 +332,10 @@ class _ProcessLoop:
         p = self.p
         self.poll_control(0)
         self.apply_newest()
-        while not self.swap_waits() and p.next_submit < p.total and p.allowed(p.next_submit):
+        if self.eval_due and not self.gen.num_in_flight():
+            self.evaluate_now()
+        while (not self.eval_due and not self.swap_waits() and p.next_submit < p.total
+               and p.allowed(p.next_submit)):
             p.submit_batch(p.next_submit)
         if self.gen.num_in_flight():
             for fg in self.gen.step():
@@ -346,7 +371,12 @@ class _OutOfProcess:
         return self.get("eval", "the initial evaluation")[2]
 
     def evaluate(self) -> float | None:
-        return None  # evaluations run in the rollout, before and after only
+        return None  # evaluations run in the rollout process (before, every eval_every versions, after)
+
+    def periodic_evals(self) -> list[tuple[int, dict]]:
+        """The periodic evaluations received since the last call: [(weights version, metrics)]."""
+        got, self._periodic = self._periodic, []
+        return got
 
     def batch(self, k: int) -> tuple[list, dict]:
         _, kk, samples, meta = self.get("batch", f"batch {k}")
@@ -375,6 +405,7 @@ class RolloutProcess(_OutOfProcess):
         self.timeout_s = timeout_s
         self.max_lag = recipe.schedule.max_lag
         self.info: dict = {}
+        self._periodic: list[tuple[int, dict]] = []  # periodic evaluations received, not logged yet
         self.proc = ctx.Process(
             target=_rollout_main, name="rz-rollout",
             args=(recipe.model_dump(), str(base), str(run_dir), v0, start_step,
@@ -429,6 +460,9 @@ class RolloutProcess(_OutOfProcess):
                 self.info.setdefault("procs", []).extend(info["procs"])
                 print(f"[rz] rollout engine restarted in the rollout process (vLLM pids {[p for p, _ in info['procs']]}, "
                       f"weights version {info['version']}, restart {info['restart']} of {info['limit']})", flush=True)
+                continue
+            if msg[0] == "eval" and isinstance(msg[1], int):  # a periodic evaluation: the loop logs it
+                self._periodic.append((msg[1], msg[2]))
                 continue
             if msg[0] in skip:
                 continue

@@ -291,8 +291,6 @@ def open_rollout(recipe: Recipe, base: Path, run_dir: Path, learner, start_step:
             _drain(buckets)
     if not rank0:
         return None
-    if recipe.schedule.eval_every:
-        print("[rz] max_lag > 0: schedule.eval_every is not used (evaluation before and after only)", flush=True)
     return rollout_process.RolloutProcess(recipe, base, run_dir, v0, start_step, init)
 
 
@@ -450,6 +448,13 @@ def train(recipe: Recipe) -> dict:
                 }
                 if value is not None:
                     row.update(value)
+                # an asynchronous run's periodic evaluations, made in the rollout process with the
+                # weights version it held then (eval_version); the synchronous loop's is `value`
+                periodic = rollout.periodic_evals()
+                for v, ev in periodic[:-1]:  # more than one since the last row: each its own row
+                    logger.log(step + 1, {**ev, "eval_version": v})
+                if periodic:
+                    row.update({**periodic[-1][1], "eval_version": periodic[-1][0]})
                 logger.log(step + 1, row)
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", lag=f"{row['lag_mean']:.2f}",
                                 dlogp=f"{stats.get('max_abs_dlogp', 0):.1e}")
@@ -472,6 +477,8 @@ def train(recipe: Recipe) -> dict:
             _drain(buckets)
             return {}
         export_hf_checkpoint(buckets, base, run_dir / "hf_final")
+        for v, ev in rollout.periodic_evals():  # made after the last training row was logged
+            logger.log(end, {**ev, "eval_version": v})
         logger.log(end, final_eval)
         summary = run_summary(recipe, run_dir, start_step, eval_before, final_eval["eval_reward"], times, end_step=end,
                               stopped_by=stopped_by, learner_spec=learner.spec)
