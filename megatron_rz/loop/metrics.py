@@ -181,6 +181,14 @@ def eval_series(rows: list[dict]) -> dict[str, list[str]]:
     return sets
 
 
+def eval_points(rows: list[dict], name: str, metric: str) -> list[tuple[int, float]]:
+    """(update, value) of eval set ``name``'s ``metric`` at every evaluation, by update: the update
+    count of the weights evaluated (an asynchronous run's periodic evaluations are logged with a later
+    row and carry it as ``eval_version``; elsewhere the row's step is that count)."""
+    key = f"eval/{name}/{metric}"
+    return sorted((r.get("eval_version", r["step"]), r[key]) for r in rows if isinstance(r.get(key), (int, float)))
+
+
 def plot_eval(run_dir: Path, rows: list[dict]) -> list[Path]:
     """One figure per eval set (plots/eval_<set>.png): greedy accuracy, avg@k, pass@1 and pass@k
     at every evaluation (megatron_rz.rl.evaluation)."""
@@ -193,8 +201,7 @@ def plot_eval(run_dir: Path, rows: list[dict]) -> list[Path]:
     for name, metrics in eval_series(rows).items():
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for m in metrics:
-            pts = [(r["step"], r[f"eval/{name}/{m}"]) for r in rows if isinstance(r.get(f"eval/{name}/{m}"), (int, float))]
-            xs, ys = zip(*pts)
+            xs, ys = zip(*eval_points(rows, name, m))
             ax.plot(xs, ys, marker="o", ms=5, label=m)
         ax.set_xlabel("update")
         ax.set_ylim(-0.02, 1.02)

@@ -1,4 +1,4 @@
-"""The RL step's split: the weight push's bytes and its export time, and the per-update medians."""
+"""The RL step's split (the weight push's bytes and export time, per-update medians) and where evaluations are drawn."""
 
 import time
 
@@ -33,3 +33,15 @@ def test_step_split_reports_the_export_share_when_every_row_has_it():
     assert abs(out["time_sync_export"]["median"] - 0.3) < 1e-12
     assert "time_sync_export" not in trainer.step_split([{k: v for k, v in r.items() if k != "time_sync_export"}
                                                          for r in rows])
+
+
+def test_evaluations_are_drawn_at_the_version_they_measured():
+    from megatron_rz.loop.metrics import eval_points
+
+    rows = [{"step": 0, "eval/heldout/greedy": 0.3},
+            {"step": 5, "lag_mean": 1.0},
+            {"step": 6, "lag_mean": 1.0, "eval/heldout/greedy": 0.5, "eval_version": 4},  # async, logged later
+            {"step": 9, "eval/heldout/greedy": 0.6, "eval_version": 8},
+            {"step": 9, "eval/heldout/greedy": 0.7}]  # the final evaluation
+    assert eval_points(rows, "heldout", "greedy") == [(0, 0.3), (4, 0.5), (8, 0.6), (9, 0.7)]
+    assert eval_points(rows, "other", "greedy") == []
