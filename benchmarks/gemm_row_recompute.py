@@ -49,11 +49,10 @@ def weight_name(tap: str) -> str:
 
 
 def find_divergence(check: dict) -> dict:
-    """The first scenario's vLLM divergence record that carries an input row."""
-    for scen in [check, *check.get("scenarios", {}).values()]:
-        loc = scen.get("localisation") if isinstance(scen, dict) else None
-        if loc and isinstance(loc.get("vllm"), dict) and isinstance(loc["vllm"].get("input_row"), list):
-            return loc["vllm"]
+    """check.json's vLLM divergence record, when it carries an input row."""
+    d = (check.get("localisation") or {}).get("vllm")
+    if isinstance(d, dict) and isinstance(d.get("input_row"), list):
+        return d
     raise SystemExit("gemm_row_recompute: check.json has no localisation with an input row "
                      "(run rz check with this tree: localise.first_divergence records it)")
 
@@ -125,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.out and Path(a.out).exists():
+        raise SystemExit(f"gemm_row_recompute: --out {a.out} exists; give a new path (results are never overwritten)")
     d = find_divergence(json.loads(Path(a.check).read_text()))
     w = load_weight(Path(a.model), weight_name(d["first_diverging_tap"]))
     res = recompute(d, w, [int(r) for r in a.rows.split(",")], a.device)

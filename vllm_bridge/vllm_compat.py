@@ -35,6 +35,11 @@ What differs, and why:
    The metadata is the layer's backend's: vLLM-CPU's (host tensors), or on CUDA the compact cache's
    subclass of the aligned CUDA backend, which adds host copies of the batch sizes.
 
+6. *Tensors no weight loader writes* (``SKIP_LOAD_TENSORS`` of vLLM 0.32's layerwise reload: expert
+   maps, the router's score-correction bias): 0.26's reload package has no such set.
+   :func:`skip_load_tensors` returns 0.32's where it exists, else the same names (the fast-mode
+   layout check, worker_ext.stock_pieces, leaves them out of its probes).
+
 Nothing here imports CUDA-only or CPU-only vLLM modules at import time.
 """
 
@@ -43,7 +48,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["attention_context", "is_cuda", "can_label_weight_versions", "set_weight_version", "vllm_version", "aligned_attention_backend", "aligned_backend_path",
-           "aligned_engine_kwargs"]
+           "aligned_engine_kwargs", "skip_load_tensors"]
 
 CPU_BACKEND_PATH = "vllm_bridge.aligned.attention_backend.RZAlignedAttentionBackend"
 CUDA_BACKEND_PATH = "vllm_bridge.aligned.cuda_attention.RZAlignedCudaAttentionBackend"
@@ -125,3 +130,18 @@ def attention_context(layer_name: str):
     kv_cache = layer.kv_cache[ctx.virtual_engine] if isinstance(layer.kv_cache, list) else layer.kv_cache
     slots = getattr(meta, "slot_mapping", None)
     return meta, kv_cache, slots
+
+
+# vLLM 0.32's SKIP_LOAD_TENSORS (model_loader/reload/meta.py), for a build whose reload package lacks it
+_SKIP_LOAD_TENSORS_0_32 = frozenset({"_expert_map", "expert_mask", "expert_global_to_physical",
+                                     "expert_physical_to_global", "expert_local_to_global",
+                                     "e_score_correction_bias"})
+
+
+def skip_load_tensors() -> frozenset[str]:
+    """Names of the tensors no weight loader writes (item 6)."""
+    try:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    except ImportError:  # vLLM 0.26
+        return _SKIP_LOAD_TENSORS_0_32
+    return frozenset(SKIP_LOAD_TENSORS)

@@ -216,16 +216,12 @@ def _record_loads(model, vllm_config, shapes: dict) -> list[tuple[str, str, Any,
     model's load_weights makes for meta tensors of the checkpoint's shapes; the model keeps its tensors."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise as lw
-    try:
-        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-    except ImportError:  # vLLM 0.26 (CUDA) has the reload package without this set: 0.32's members
-        SKIP_LOAD_TENSORS = {"_expert_map", "expert_mask", "expert_global_to_physical",
-                             "expert_physical_to_global", "expert_local_to_global", "e_score_correction_bias"}
+    from vllm_bridge.vllm_compat import skip_load_tensors
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
     module_name = {id(m): n for n, m in model.named_modules()}
     probes = {n: torch.empty(s, dtype=_ST_DTYPES.get(d, torch.float32), device="meta") for n, (s, d) in shapes.items()
-              if not n.endswith(tuple(SKIP_LOAD_TENSORS))}  # those are written straight into the live tensor
+              if not n.endswith(tuple(skip_load_tensors()))}  # those are written straight into the live tensor
     of_probe = {id(t): n for n, t in probes.items()}
     records: list = []
     real = lw._layerwise_process

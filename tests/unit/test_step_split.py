@@ -1,26 +1,28 @@
 """The RL step's split (the weight push's bytes and export time, per-update medians) and where evaluations are drawn."""
 
-import time
-
 import torch
 
 from megatron_rz.loop import trainer
 
 
-def test_the_counted_stream_passes_every_bucket_and_times_only_the_making_of_them():
-    def slow_export():
+def test_the_counted_stream_passes_every_bucket_and_times_only_the_making_of_them(monkeypatch):
+    clock = [100.0]  # a clock that moves only when the test says: no wall-clock timing here
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock[0])
+
+    def export():
         for i in range(3):
-            time.sleep(0.05)  # the learner's export of one bucket
+            clock[0] += 0.5  # the learner's export of one bucket
             yield {f"w{i}": torch.zeros(4, 8, dtype=torch.bfloat16), f"b{i}": torch.zeros(8)}
+        clock[0] += 0.25  # finishing the stream (the last gather) is export time too
 
     tally = [0, 0.0]
     seen = []
-    for b in trainer._counted(slow_export(), tally):
-        time.sleep(0.1)  # the transport's work on the bucket: not export time
+    for b in trainer._counted(export(), tally):
+        clock[0] += 7.0  # the transport's work on the bucket: not export time
         seen.append(sorted(b))
     assert seen == [["b0", "w0"], ["b1", "w1"], ["b2", "w2"]]
     assert tally[0] == 3 * (4 * 8 * 2 + 8 * 4)
-    assert 0.15 <= tally[1] < 0.3
+    assert tally[1] == 1.75
 
 
 def test_step_split_reports_the_export_share_when_every_row_has_it():
