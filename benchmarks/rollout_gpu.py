@@ -421,10 +421,15 @@ def _median(xs: list) -> float:
 
 
 def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]], rounds: int, seeded: list[bool],
-              mem_gb: float = 20) -> dict:
+              mem_gb: float = 20, budget_s: float = 0) -> dict:
     """One engine of ``kind``, alone in this process: every cell, seeded and/or unseeded, one untimed
     warm-up round then ``rounds`` timed rounds of ``LLM.generate`` (``ignore_eos``, ``logprobs=0``,
-    temperature 1). Seeded = a per-request seed on every request (what rollouts use)."""
+    temperature 1). Seeded = a per-request seed on every request (what rollouts use).
+
+    ``out`` is rewritten after every cell, so a call cut off by its time limit keeps the cells it
+    finished. ``budget_s`` > 0: a cell whose predicted time (its last measured variant's, else the
+    cell's tokens at the slowest rate seen so far) would end past ``budget_s`` from the start is not
+    begun; the skipped cells are listed under ``skipped``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -441,11 +446,21 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     res: dict = {"engine": kind, "ckpt": ckpt, "gpu": torch.cuda.get_device_name(),
                  "startup_s": startup, "env": ENGINE_KINDS[kind][1],
                  "gemm_table": os.environ.get("RZ_GEMM_TABLE", "auto"), "probes": [before], "cells": []}
+    res["skipped"] = []
     print(f"{kind} engine up in {res['startup_s']} s", flush=True)
+    sec_per_tok = 0.0  # the slowest whole-cell rate so far (warm-up + rounds), for the budget's forecast
     try:
         for (B, P, N) in cells:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
+            last = 0.0
             for sd in seeded:
+                forecast = last or sec_per_tok * B * (P + N) * (rounds + 1)
+                if budget_s and time.perf_counter() - t0 + forecast > budget_s:
+                    res["skipped"].append({"batch": B, "prompt": P, "new": N, "seeded": sd,
+                                           "forecast_s": round(forecast, 1)})
+                    print(f"budget: skipping {B}x{P}x{N} seeded={sd} (forecast {forecast:.0f} s)", flush=True)
+                    continue
+                tc = time.perf_counter()
                 sps = [SamplingParams(n=1, temperature=1.0, max_tokens=N, ignore_eos=True, logprobs=0,
                                       seed=(1000 + i) if sd else None, detokenize=False) for i in range(B)]
                 eng.llm.generate(prompts, sps, use_tqdm=False)  # warm-up (Triton JIT, graph shapes)
@@ -461,6 +476,9 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
                         "max_s": round(max(times), 4), "tok_s": round(B * N / _median(times), 1)}
                 print(json.dumps(cell), flush=True)
                 res["cells"].append(cell)
+                last = time.perf_counter() - tc
+                sec_per_tok = max(sec_per_tok, last / (B * (P + N) * (rounds + 1)))
+                json.dump(res, open(out, "w"), indent=1)  # a cut-off call keeps its finished cells
         res["probes"].append(probe())
     finally:
         eng.close()
@@ -468,11 +486,24 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     return res
 
 
+def _pooled(a: dict, b: dict) -> dict:
+    """One cell measured in two calls: every round of both, median and spread over all of them."""
+    rs = list(a["rounds_s"]) + list(b["rounds_s"])
+    med = _median(rs)
+    return {**a, "rounds_s": rs, "median_s": round(med, 4), "min_s": round(min(rs), 4), "max_s": round(max(rs), 4),
+            "tok_s": round(a["batch"] * a["new"] / med, 1)}
+
+
 def compare(parts: list[dict]) -> dict:
     """Cells of several ``bench_one`` results side by side: each engine's median and spread,
     aligned / each other engine and each other aligned kind / stock (medians); the worst and best
     cell of each ratio."""
-    by = {p["engine"]: {(c["batch"], c["prompt"], c["new"], c["seeded"]): c for c in p["cells"]} for p in parts}
+    by: dict = {}
+    for p in parts:  # parts of one engine from several calls are pooled: their rounds, one cell
+        cells = by.setdefault(p["engine"], {})
+        for c in p["cells"]:
+            k = (c["batch"], c["prompt"], c["new"], c["seeded"])
+            cells[k] = _pooled(cells[k], c) if k in cells else c
     keys = sorted(set().union(*[set(v) for v in by.values()]))
     # aligned / every other engine, and every other aligned kind (aligned_v2, aligned_notable, ...)
     # / stock: what a user compares each engine with
@@ -504,13 +535,18 @@ def compare(parts: list[dict]) -> dict:
     from benchmarks.machine_probe import spread
 
     summary["machine"] = spread([q for p in parts for q in p.get("probes", [])])
-    return {"engines": {p["engine"]: {"startup_s": p["startup_s"], "env": p["env"], "probes": p.get("probes", [])}
-                        for p in parts},
+    engines: dict = {}
+    for p in parts:
+        e = engines.setdefault(p["engine"], {"startup_s": [], "env": p["env"], "probes": [], "calls": 0})
+        e["startup_s"].append(p["startup_s"])
+        e["probes"] += p.get("probes", [])
+        e["calls"] += 1
+    return {"engines": engines,
             "gpu": parts[0].get("gpu"), "ckpt": parts[0].get("ckpt"), "summary": summary, "cells": rows}
 
 
 def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20,
-          engines: tuple = ("stock", "aligned"), seeded: tuple = (True,)) -> dict:
+          engines: tuple = ("stock", "aligned"), seeded: tuple = (True,), budget_s: float = 0) -> dict:
     """Each engine in its own fresh process, one after the other (never two engines on the GPU at
     a time), then :func:`compare`. Writes ``out`` and each engine's part beside it."""
     import subprocess
@@ -522,7 +558,8 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
         env = {**os.environ, **ENGINE_KINDS[kind][1]}
         cmd = [sys.executable, os.path.abspath(__file__), "bench-one", "--engine", kind, "--ckpt", ckpt, "--out", part,
                "--cells", ",".join("x".join(map(str, c)) for c in cells), "--rounds", str(rounds),
-               "--mem-gb", str(mem_gb), "--seeded", ",".join("on" if x else "off" for x in seeded)]
+               "--mem-gb", str(mem_gb), "--seeded", ",".join("on" if x else "off" for x in seeded),
+               "--budget-s", str(budget_s)]
         r = subprocess.run(cmd, env=env)
         if r.returncode != 0 or not os.path.exists(part):
             print(f"bench: engine {kind} failed (exit {r.returncode}); continuing", flush=True)
@@ -671,6 +708,8 @@ def main(argv=None) -> int:
         c.add_argument("--rounds", type=int, default=5)
         c.add_argument("--mem-gb", type=float, default=20)
         c.add_argument("--seeded", default="on", help="on, off or on,off: per-request seeds")
+        c.add_argument("--budget-s", type=float, default=0,
+                       help="per engine: cells forecast to end past this many seconds after its start are skipped")
         if name == "bench":
             c.add_argument("--engines", default="stock,aligned", help=f"comma list of {sorted(ENGINE_KINDS)}")
         else:
@@ -708,13 +747,14 @@ def main(argv=None) -> int:
     else:
         seeded = [{"on": True, "off": False}[x] for x in args.seeded.split(",")]
         if args.cmd == "bench-one":
-            bench_one(args.ckpt, args.out, args.engine, cells, args.rounds, seeded, args.mem_gb)
+            bench_one(args.ckpt, args.out, args.engine, cells, args.rounds, seeded, args.mem_gb, args.budget_s)
         else:
             bad = [e for e in args.engines.split(",") if e not in ENGINE_KINDS]
             if bad:
                 print(f"rollout_gpu: --engines {bad[0]!r} unknown; choose from {sorted(ENGINE_KINDS)}", file=sys.stderr)
                 return 2
-            bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb, tuple(args.engines.split(",")), tuple(seeded))
+            bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb, tuple(args.engines.split(",")), tuple(seeded),
+                  args.budget_s)
     return 0
 
 

@@ -30,3 +30,15 @@ def test_without_the_aligned_engine_the_other_kinds_still_get_their_ratio():
     # a run of aligned_v2 and stock alone (no "aligned" part) still says how aligned_v2 compares
     s = compare([_part("aligned_v2", {A: 0.9}), _part("stock", {A: 1.0})])["summary"]
     assert s["aligned_v2_over_stock"]["worst"] == 0.9 and "aligned_over_stock" not in s
+
+
+def test_parts_of_one_engine_from_several_calls_pool_their_rounds():
+    # two calls measured stock's cell A (rounds 1.0 / 3.0 and 2.0): the pooled median is over all three
+    first, second = _part("stock", {A: 1.0}), _part("stock", {A: 2.0, B: 4.0})
+    first["cells"][0]["rounds_s"] = [1.0, 3.0]
+    res = compare([first, second, _part("aligned", {A: 2.2, B: 4.0})])
+    row = next(r for r in res["cells"] if (r["batch"], r["prompt"], r["new"]) == A)
+    assert row["stock"]["rounds_s"] == [1.0, 3.0, 2.0] and row["stock"]["median_s"] == 2.0
+    assert (row["stock"]["min_s"], row["stock"]["max_s"]) == (1.0, 3.0)
+    assert row["aligned_over_stock"] == 1.1
+    assert res["engines"]["stock"]["calls"] == 2 and res["engines"]["stock"]["startup_s"] == [1.0, 1.0]
