@@ -545,6 +545,30 @@ def compare(parts: list[dict]) -> dict:
             "gpu": parts[0].get("gpu"), "ckpt": parts[0].get("ckpt"), "summary": summary, "cells": rows}
 
 
+def markdown(res: dict) -> str:
+    """A :func:`compare` result as the table docs/gpu.md shows: one row per cell (seeded and unseeded
+    apart), each engine's median and (min-max) seconds over all its rounds, the rounds' count, and
+    aligned / every other engine; then each ratio's worst and best cell."""
+    engines = [e for e in ("stock", "stock_bi", "aligned") if e in res["engines"]]
+    engines += [e for e in res["engines"] if e not in engines]
+    ratios = [k for k in res["summary"] if k.endswith(tuple(f"_over_{e}" for e in engines))]
+    head = ["batch x prompt x new", "seeded"] + [f"{e} s" for e in engines] + [r.replace("_over_", " / ") for r in ratios]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in res["cells"]:
+        cols = [f"{row['batch']} x {row['prompt']} x {row['new']}", "yes" if row["seeded"] else "no"]
+        for e in engines:
+            c = row.get(e)
+            cols.append(f"{c['median_s']:.3f} ({c['min_s']:.3f}-{c['max_s']:.3f}, n={len(c['rounds_s'])})" if c else "-")
+        cols += [f"{row[r]:.2f}" if r in row else "-" for r in ratios]
+        lines.append("| " + " | ".join(cols) + " |")
+    lines.append("")
+    for r in ratios:
+        x = res["summary"][r]
+        lines.append(f"- {r.replace('_over_', ' / ')}: worst {x['worst']:.2f} ({x['worst_cell']}), "
+                     f"best {x['best']:.2f} ({x['best_cell']}), {x['cells']} cells")
+    return "\n".join(lines) + "\n"
+
+
 def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20,
           engines: tuple = ("stock", "aligned"), seeded: tuple = (True,), budget_s: float = 0) -> dict:
     """Each engine in its own fresh process, one after the other (never two engines on the GPU at
@@ -717,6 +741,7 @@ def main(argv=None) -> int:
     e = sub.add_parser("compare", help="bench-one results of separate calls side by side (as bench writes)")
     e.add_argument("--parts", nargs="+", required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--md", default="", help="also write the table as markdown here (rollout_gpu.markdown)")
     d = sub.add_parser("profile")
     d.add_argument("--ckpt", required=True)
     d.add_argument("--out", required=True)
@@ -739,6 +764,11 @@ def main(argv=None) -> int:
         res = compare([json.load(open(p)) for p in args.parts])
         res["command"] = " ".join(sys.argv)
         json.dump(res, open(args.out, "w"), indent=1)
+        if args.md:
+            if os.path.exists(args.md):
+                print(f"rollout_gpu: --md {args.md} already exists; give another path", file=sys.stderr)
+                return 2
+            open(args.md, "w").write(markdown(res))
         for row in res["cells"]:
             print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
         print("summary", json.dumps(res["summary"]), flush=True)

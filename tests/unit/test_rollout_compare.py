@@ -42,3 +42,17 @@ def test_parts_of_one_engine_from_several_calls_pool_their_rounds():
     assert (row["stock"]["min_s"], row["stock"]["max_s"]) == (1.0, 3.0)
     assert row["aligned_over_stock"] == 1.1
     assert res["engines"]["stock"]["calls"] == 2 and res["engines"]["stock"]["startup_s"] == [1.0, 1.0]
+
+
+def test_markdown_shows_every_cell_each_engine_and_the_worst_cell():
+    from benchmarks.rollout_gpu import markdown
+
+    res = compare([_part("stock", {A: 1.0, B: 2.0}), _part("stock_bi", {A: 1.5}), _part("aligned", {A: 1.2, B: 1.8})])
+    md = markdown(res)
+    lines = [x for x in md.splitlines() if x.startswith("| 1 x") or x.startswith("| 64 x")]
+    assert len(lines) == 2
+    a_row = next(x for x in lines if x.startswith("| 1 x 64 x 128"))
+    assert "1.000 (1.000-1.000, n=1)" in a_row and "| 1.20 |" in a_row and "| 0.80 |" in a_row
+    b_row = next(x for x in lines if x.startswith("| 64 x 512 x 512"))
+    assert "| - |" in b_row  # stock_bi did not measure this cell
+    assert "aligned / stock: worst 1.20 (1x64x128 seeded), best 0.90 (64x512x512 seeded), 2 cells" in md
