@@ -427,9 +427,11 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     temperature 1). Seeded = a per-request seed on every request (what rollouts use).
 
     ``out`` is rewritten after every cell, so a call cut off by its time limit keeps the cells it
-    finished. ``budget_s`` > 0: a cell whose predicted time (its last measured variant's, else the
-    cell's tokens at the slowest rate seen so far) would end past ``budget_s`` from the start is not
-    begun; the skipped cells are listed under ``skipped``."""
+    finished. ``budget_s`` > 0: a cell's second variant (seeded / unseeded) whose predicted time (its
+    first variant's) would end past ``budget_s`` from the start is not begun, nor is any cell once
+    the budget is spent; the skipped cells are listed under ``skipped``. (A first variant is never
+    predicted: a per-token rate from another cell misjudges prefill-heavy and large-batch cells by
+    10x or more.)"""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -448,13 +450,12 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
                  "gemm_table": os.environ.get("RZ_GEMM_TABLE", "auto"), "probes": [before], "cells": []}
     res["skipped"] = []
     print(f"{kind} engine up in {res['startup_s']} s", flush=True)
-    sec_per_tok = 0.0  # the slowest whole-cell rate so far (warm-up + rounds), for the budget's forecast
     try:
         for (B, P, N) in cells:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
             last = 0.0
             for sd in seeded:
-                forecast = last or sec_per_tok * B * (P + N) * (rounds + 1)
+                forecast = last
                 if budget_s and time.perf_counter() - t0 + forecast > budget_s:
                     res["skipped"].append({"batch": B, "prompt": P, "new": N, "seeded": sd,
                                            "forecast_s": round(forecast, 1)})
@@ -477,7 +478,6 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
                 print(json.dumps(cell), flush=True)
                 res["cells"].append(cell)
                 last = time.perf_counter() - tc
-                sec_per_tok = max(sec_per_tok, last / (B * (P + N) * (rounds + 1)))
                 json.dump(res, open(out, "w"), indent=1)  # a cut-off call keeps its finished cells
         res["probes"].append(probe())
     finally:
