@@ -250,6 +250,11 @@ class RolloutConfig(_Strict):
     # workers' slices of what it holds, docs/tp.md "Resharding learner -> engine": max_lag 0, local,
     # mode=aligned). Whole tensors otherwise: gathered to learner rank 0, sent to every worker.
     weight_transport: Literal["auto", "inprocess", "filesystem", "nccl", "ipc", "reshard"] = "auto"
+    # Asynchronous runs (schedule.max_lag > 0, bucket files for the rollout process): host memory (GB) for
+    # weight versions copied off the learner and waiting to be written by a background thread, so the
+    # learner's critical path holds only the copy; a model larger than this is partly written inline.
+    # 0 = every file written on the critical path.
+    background_write_gb: NonNegF = 4.0
     # Verify every parameter's bytes after every verify_every-th sync (1: every sync; the check reads the
     # weights once on each side, ~0.27 s per GB on one CPU core: docs/architecture.md "Reliability").
     verify_every: int = 1

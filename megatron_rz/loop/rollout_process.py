@@ -19,10 +19,12 @@ Channels (rank 0 <-> rollout process: multiprocessing queues)
              ("batch", k, samples, meta), ("error", traceback), ("done", info).
     control  learner -> rollout: ("weights", version, bucket paths), ("stop", final_eval).
     weights  the filesystem transport (what rollout.weight_transport resolves to here): rank 0
-             writes every new version as a directory of safetensors bucket files under
+             copies every new version to host memory and a background thread writes it (the
+             learner goes on; rollout.background_write_gb bounds the host copies waiting) as a
+             directory of safetensors bucket files under
              ``run_dir/rollout/weights/`` (under a temporary name, then renamed: a reader never sees a
              partial version; in a job the run directory is on the shared filesystem, where the
-             servers' workers read it) and sends the paths. Between two engine steps the rollout
+             servers' workers read it) and sends the paths once the version is complete. Between two engine steps the rollout
              applies only the newest version it has received (swap_weights: pause at a step
              boundary, the engine's staging protocol, relabel, resume; requests in flight keep going
              with their KV cache) and deletes every version it has applied or skipped.
@@ -385,10 +387,12 @@ class _OutOfProcess:
         return samples, meta
 
     def push_weights(self, buckets, version: int, *, verify: bool = False) -> dict:
-        """One version as bucket files; the rollout verifies it where it applies it."""
-        update = self.transport.push(buckets, version)
-        self.send_weights(version, update.paths)
-        return update.info
+        """One version as bucket files; the rollout verifies it where it applies it. The files are
+        written in the background (rollout.background_write_gb > 0: the call returns once the
+        buckets are copied to host memory) and the rollout is told once the version is complete."""
+        control = self.control_q
+        return self.transport.push_background(
+            buckets, version, lambda update: control.put(("weights", int(update.version), list(update.paths))))
 
     def restart(self, error: Exception, step: int, version: int) -> bool:
         return False
@@ -415,7 +419,8 @@ class RolloutProcess(_OutOfProcess):
         self.proc.start()
         self._closed = False
         r = recipe.rollout
-        self.transport = make_transport(r.weight_transport, run_dir=run_dir, where=r.where, max_lag=recipe.schedule.max_lag)
+        self.transport = make_transport(r.weight_transport, run_dir=run_dir, where=r.where, max_lag=recipe.schedule.max_lag,
+                                        background_bytes=int(r.background_write_gb * (1 << 30)))
 
     @property
     def pid(self) -> int | None:
@@ -485,6 +490,7 @@ class RolloutProcess(_OutOfProcess):
         """Normal end: stop the producer, get the final evaluation, wait for the process to exit.
         A run that ends early (schedule.time_limit_s) leaves batches generated ahead of the learner
         (up to max_lag of them) in the queue: they are dropped (a resumed run generates its own)."""
+        self.transport.flush()  # the last version reaches the rollout before its final evaluation
         self.control_q.put(("stop", True))
         value = self.get("eval", "the final evaluation", skip=("batch",))[2]
         self.get("done", "the rollout process to finish")
@@ -497,6 +503,9 @@ class RolloutProcess(_OutOfProcess):
             return
         self._closed = True
         from vllm_bridge.engine import reap_process
+
+        with contextlib.suppress(Exception):
+            self.transport.close()  # the background writer (nothing is flushed on this path)
 
         with contextlib.suppress(Exception):
             self.control_q.put(("stop", False))

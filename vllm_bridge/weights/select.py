@@ -84,9 +84,10 @@ def refusal(kind: str, *, where: str, max_lag: int, mode: str, arch: str, cuda: 
 
 
 def make_transport(kind: str, *, run_dir: str | os.PathLike, engine=None, where: str = "local", max_lag: int = 0,
-                   cuda: bool = False):
+                   cuda: bool = False, background_bytes: int = 0):
     """The transport instance for this run: ``kind`` resolved (``auto``; ``cuda``: the engine runs on
-    CUDA), files under ``run_dir``/WEIGHTS_DIR; ``engine`` the in-process engine (inprocess, nccl, ipc)."""
+    CUDA), files under ``run_dir``/WEIGHTS_DIR; ``engine`` the in-process engine (inprocess, nccl, ipc);
+    ``background_bytes``: the filesystem transport's host-memory budget for background writes."""
     kind = resolve(kind, where=where, max_lag=max_lag, cuda=cuda)
     directory = Path(run_dir) / WEIGHTS_DIR
     if kind == "inprocess":
@@ -96,7 +97,7 @@ def make_transport(kind: str, *, run_dir: str | os.PathLike, engine=None, where:
     if kind == "filesystem":
         from vllm_bridge.weights.filesystem import FilesystemTransport
 
-        return FilesystemTransport(directory)
+        return FilesystemTransport(directory, background_bytes=background_bytes)
     if kind == "reshard":
         from vllm_bridge.weights.reshard import ShardedFilesystemTransport
 
