@@ -66,6 +66,15 @@ DEFAULTS = ["algo.lr=1e-4", "rollout.prompts_per_step=8", "checkpoint.every=25",
 # newest checkpoints only (a tiny_moe checkpoint is 11 MB; one every 25 updates filled 1.2 GB per leg
 # by update 3,000, and would fill ~9 GB per leg by 20,000).
 LEG_BOOKKEEPING = ["checkpoint.keep=3"]
+def effective(overrides: list[str]) -> list[str]:
+    """The overrides as the recipe applies them: a key given twice keeps its last value (the run's
+    own ``algo.lr=5e-5`` after DEFAULTS' ``algo.lr=1e-4``), in first-given order."""
+    last = {}
+    for o in overrides:
+        last[o.split("=", 1)[0]] = o
+    return list(last.values())
+
+
 # per --bf16: (overrides of every leg and the base model, overrides of the fast legs only)
 BF16 = {"both": (["model.dtype=bfloat16"], []), "rollout": ([], ["rollout.dtype=bfloat16"])}
 # what make demo pins for reproducible CPU numerics (one thread, AVX2 code paths)
@@ -277,7 +286,7 @@ def report(root: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res = {"experiment": meta, "legs": {d.name: leg_figures(d) for d in legs}, "lags": {}}
     lags = sorted({int(d.name.split("lag")[1]) for d in legs})
-    lines = ["# Stability experiment", "", f"recipe `{meta.get('recipe')}`, overrides `{' '.join(dict.fromkeys(meta.get('overrides', [])))}`, "
+    lines = ["# Stability experiment", "", f"recipe `{meta.get('recipe')}`, overrides `{' '.join(effective(meta.get('overrides', [])))}`, "
              f"fast legs also `{' '.join(meta.get('fast_overrides', []))}`", "",
              "| leg | updates | D3 peak / median | D3 median first -> last 10% | KL k1 median first -> last 10% | "
              "entropy first -> last 10% | max grad norm | max IS weight | bitwise | reward first -> last 10% | "
@@ -415,7 +424,7 @@ def sweep_report(root: Path, out: Path, plots: bool = True) -> dict:
         return "-" if x is None else (f"{x:.{p}g}" if isinstance(x, float) else str(x))
 
     lines = ["# Learning-rate sweep: aligned, lag " + str(meta["lag"]), "",
-             f"recipe `{meta.get('recipe')}`, overrides `{' '.join(dict.fromkeys(meta.get('overrides', [])))}`, then `algo.lr=LR`; "
+             f"recipe `{meta.get('recipe')}`, overrides `{' '.join(effective(meta.get('overrides', [])))}`, then `algo.lr=LR`; "
              f"{steps} updates per lr, mode {meta['mode']}, schedule.max_lag={meta['lag']}, from one base model.", "",
              f"Stable = all {steps} updates done with none skipped and every loss and gradient norm finite, KL k1 "
              f"median over the last 10% of updates <= {KL_GROWTH_MAX:g} x that of the first 10%, mean train reward "

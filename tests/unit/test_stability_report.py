@@ -122,3 +122,11 @@ def test_legs_keep_only_their_newest_checkpoints(tmp_path, monkeypatch):
     assert "schedule.max_lag=8" in cmd and "rollout.dtype=bfloat16" in cmd
     meta = json.loads((tmp_path / "experiment.json").read_text())
     assert not any(o.startswith("checkpoint.keep") for o in meta["overrides"] + meta["fast_overrides"])
+
+
+def test_the_report_names_each_override_once_with_the_value_the_run_used():
+    # DEFAULTS' algo.lr=1e-4 then the run's own algo.lr=5e-5: the recipe applies the last one
+    ov = stability.DEFAULTS + ["algo.lr=5e-5", "logging.wandb=false"]
+    eff = stability.effective(ov)
+    assert "algo.lr=5e-5" in eff and "algo.lr=1e-4" not in eff
+    assert len(eff) == len({o.split("=", 1)[0] for o in ov}) and eff[0] == "algo.lr=5e-5"
