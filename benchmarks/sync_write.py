@@ -48,10 +48,11 @@ def one(params: dict, directory: Path, version: int, background: bool, budget: i
     import torch
     from safetensors.torch import load_file
 
+    from vllm_bridge.weights import make_transport
     from vllm_bridge.weights.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
-    from vllm_bridge.weights.filesystem import FilesystemTransport
 
-    t = FilesystemTransport(directory, background_bytes=budget if background else 0)
+    # the transport an asynchronous run's learner gets (rollout process placement: max_lag > 0)
+    t = make_transport("filesystem", run_dir=directory, max_lag=2, background_bytes=budget if background else 0)
     got = []
     if params and next(iter(params.values())).is_cuda:
         torch.cuda.synchronize()
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         order = ("inline", "background") if r % 2 == 0 else ("background", "inline")
         for kind in order:
             version += 1
-            rows[kind].append(one(params, base / "weights", version, kind == "background", budget))
+            rows[kind].append(one(params, base, version, kind == "background", budget))
             print(f"round {r} {kind}: {json.dumps({k: round(v, 4) for k, v in rows[kind][-1].items()})}", flush=True)
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)

