@@ -66,6 +66,8 @@ DEFAULTS = ["algo.lr=1e-4", "rollout.prompts_per_step=8", "checkpoint.every=25",
 # newest checkpoints only (a tiny_moe checkpoint is 11 MB; one every 25 updates filled 1.2 GB per leg
 # by update 3,000, and would fill ~9 GB per leg by 20,000).
 LEG_BOOKKEEPING = ["checkpoint.keep=3"]
+
+
 def effective(overrides: list[str]) -> list[str]:
     """The overrides as the recipe applies them: a key given twice keeps its last value (the run's
     own ``algo.lr=5e-5`` after DEFAULTS' ``algo.lr=1e-4``), in first-given order."""

@@ -84,6 +84,10 @@ def main(argv=None) -> int:
     if os.path.exists(a.out):
         print(f"sync_write: --out {a.out} already exists; give another path", file=sys.stderr)
         return 2
+    if a.dir and (Path(a.dir) / "rollout" / "weights").exists():
+        print(f"sync_write: --dir {a.dir} already holds weight versions (a run's?); give an empty directory",
+              file=sys.stderr)
+        return 2
     params = weights(a.gb, a.device)
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="rz_sync_write_"))
     budget = int(a.budget_gb * (1 << 30))

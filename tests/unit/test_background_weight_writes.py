@@ -127,3 +127,23 @@ def test_a_failed_write_is_raised_next_and_its_version_never_announced(tmp_path,
         t.push_background(iter_buckets(_params().items(), device=None), 4, got.append)
     assert got == []
     t.close()
+
+
+def test_flush_returns_only_after_the_rollout_was_told_of_the_last_version(tmp_path):
+    # the run's end flushes, then asks for the final evaluation: the last version must be announced first
+    t = FilesystemTransport(tmp_path / "weights", background_bytes=1 << 30)
+    told, gate = [], threading.Event()
+
+    def on_written(update):  # the announcement is held until the test lets it go
+        gate.wait()
+        told.append(update.version)
+
+    t.push_background(iter_buckets(_params().items(), device=None), 9, on_written)
+    flusher = threading.Thread(target=t.flush)
+    flusher.start()
+    flusher.join(0.3)
+    assert flusher.is_alive() and told == []  # every byte is written; the announcement is not yet made
+    gate.set()
+    flusher.join()
+    assert told == [9]
+    t.close()

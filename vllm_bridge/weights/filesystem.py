@@ -169,7 +169,7 @@ class _Writer:
         self.waited = 0.0
         self.error: BaseException | None = None
         self.failed_version: int | None = None
-        self.busy = False  # the thread is working on an item it took off the queue
+        self.pending = 0  # items put and not yet finished by the thread (markers included)
         self.thread = threading.Thread(target=self._run, name="rz-weight-writer", daemon=True)
         self.thread.start()
 
@@ -188,6 +188,8 @@ class _Writer:
 
     def put(self, item: tuple, size: int) -> None:
         """Queue an item whose ``size`` bytes were reserved (0 for markers)."""
+        with self.cond:
+            self.pending += 1
         self.items.put((item, size))
 
     def take_waited(self) -> float:
@@ -203,7 +205,7 @@ class _Writer:
     def join(self, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cond:
-            while self.in_flight or not self.items.empty() or self.busy:
+            while self.pending:
                 if self.error is not None or (deadline is not None and time.monotonic() > deadline):
                     break
                 self.cond.wait(0.2)
@@ -212,9 +214,10 @@ class _Writer:
         self.items.put((None, 0))
         self.thread.join(5.0)
 
-    def _done(self, size: int) -> None:
+    def _done(self, size: int, item_done: bool = False) -> None:
         with self.cond:
             self.in_flight -= size
+            self.pending -= int(item_done)
             self.cond.notify_all()
 
     def _run(self) -> None:
@@ -224,8 +227,6 @@ class _Writer:
             item, size = self.items.get()
             if item is None:
                 return
-            with self.cond:
-                self.busy = True
             try:
                 if self.error is not None:
                     continue  # a failed version: drop what follows until the error is raised
@@ -243,6 +244,4 @@ class _Writer:
                 self.error, self.failed_version = e, version
             finally:
                 item = None  # the host copy goes now, before the budget is returned
-                with self.cond:
-                    self.busy = False
-                self._done(size)
+                self._done(size, item_done=True)
