@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -420,8 +421,18 @@ def _median(xs: list) -> float:
     return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
+def variant(batch: int, prompt: int, new: int, seeded: bool) -> str:
+    """One timed variant of a cell as ``bench-one --only`` names it: ``BxPxN/on`` (seeded) or ``/off``."""
+    return f"{batch}x{prompt}x{new}/{'on' if seeded else 'off'}"
+
+
+def finished_variants(part: dict) -> list[str]:
+    """The variants a ``bench_one`` result timed, in the order it timed them."""
+    return [variant(c["batch"], c["prompt"], c["new"], c["seeded"]) for c in part.get("cells", [])]
+
+
 def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]], rounds: int, seeded: list[bool],
-              mem_gb: float = 20, budget_s: float = 0) -> dict:
+              mem_gb: float = 20, budget_s: float = 0, only: Optional[list[str]] = None) -> dict:
     """One engine of ``kind``, alone in this process: every cell, seeded and/or unseeded, one untimed
     warm-up round then ``rounds`` timed rounds of ``LLM.generate`` (``ignore_eos``, ``logprobs=0``,
     temperature 1). Seeded = a per-request seed on every request (what rollouts use).
@@ -431,7 +442,8 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     first variant's) would end past ``budget_s`` from the start is not begun, nor is any cell once
     the budget is spent; the skipped cells are listed under ``skipped``. (A first variant is never
     predicted: a per-token rate from another cell misjudges prefill-heavy and large-batch cells by
-    10x or more.)"""
+    10x or more.) ``only``: the variants (:func:`variant`) to time, the others are left out (``bench``
+    gives the engines after the first one the variants the first one finished)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -452,9 +464,13 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
     print(f"{kind} engine up in {res['startup_s']} s", flush=True)
     try:
         for (B, P, N) in cells:
+            if only is not None and not any(variant(B, P, N, sd) in only for sd in seeded):
+                continue
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
             last = 0.0
             for sd in seeded:
+                if only is not None and variant(B, P, N, sd) not in only:
+                    continue
                 forecast = last
                 if budget_s and time.perf_counter() - t0 + forecast > budget_s:
                     res["skipped"].append({"batch": B, "prompt": P, "new": N, "seeded": sd,
@@ -569,10 +585,26 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_one_command(kind: str, ckpt: str, part: str, cells: list[tuple[int, int, int]], rounds: int,
+                      mem_gb: float, seeded: tuple, budget_s: float, only: Optional[list[str]]) -> list[str]:
+    """The ``bench-one`` command line ``bench`` runs for one engine (``only``: its ``--only`` list;
+    an empty list times nothing)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "bench-one", "--engine", kind, "--ckpt", ckpt, "--out", part,
+           "--cells", ",".join("x".join(map(str, c)) for c in cells), "--rounds", str(rounds),
+           "--mem-gb", str(mem_gb), "--seeded", ",".join("on" if x else "off" for x in seeded),
+           "--budget-s", str(budget_s)]
+    if only is not None:
+        cmd += ["--only", ",".join(only)]
+    return cmd
+
+
 def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20,
           engines: tuple = ("stock", "aligned"), seeded: tuple = (True,), budget_s: float = 0) -> dict:
     """Each engine in its own fresh process, one after the other (never two engines on the GPU at
-    a time), then :func:`compare`. Writes ``out`` and each engine's part beside it."""
+    a time), then :func:`compare`. Writes ``out`` and each engine's part beside it. The engines
+    after the first one that ran time only the variants it finished (``--only``), so a budget or
+    a cut-off that stops the first engine early still leaves every finished cell with a ratio
+    instead of cells that only one engine has."""
     import subprocess
 
     parts = []
@@ -580,13 +612,13 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
     for kind in engines:
         part = f"{base}.{kind}.json"
         env = {**os.environ, **ENGINE_KINDS[kind][1]}
-        cmd = [sys.executable, os.path.abspath(__file__), "bench-one", "--engine", kind, "--ckpt", ckpt, "--out", part,
-               "--cells", ",".join("x".join(map(str, c)) for c in cells), "--rounds", str(rounds),
-               "--mem-gb", str(mem_gb), "--seeded", ",".join("on" if x else "off" for x in seeded),
-               "--budget-s", str(budget_s)]
+        cmd = bench_one_command(kind, ckpt, part, cells, rounds, mem_gb, seeded, budget_s,
+                                finished_variants(parts[0]) if parts else None)
         r = subprocess.run(cmd, env=env)
         if r.returncode != 0 or not os.path.exists(part):
             print(f"bench: engine {kind} failed (exit {r.returncode}); continuing", flush=True)
+            if os.path.exists(part):  # cut off after some cells: keep them
+                parts.append(json.load(open(part)))
             continue
         parts.append(json.load(open(part)))
     if not parts:
@@ -651,6 +683,8 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
 
     try:
         for (B, P, N) in cells:
+            if only is not None and not any(variant(B, P, N, sd) in only for sd in seeded):
+                continue
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
 
             def sp(n):
@@ -738,6 +772,8 @@ def main(argv=None) -> int:
             c.add_argument("--engines", default="stock,aligned", help=f"comma list of {sorted(ENGINE_KINDS)}")
         else:
             c.add_argument("--engine", choices=sorted(ENGINE_KINDS), required=True)
+            c.add_argument("--only", default=None,
+                           help="comma list of variants BxPxN/on|off to time (the rest of --cells / --seeded left out)")
     e = sub.add_parser("compare", help="bench-one results of separate calls side by side (as bench writes)")
     e.add_argument("--parts", nargs="+", required=True)
     e.add_argument("--out", required=True)
@@ -777,7 +813,14 @@ def main(argv=None) -> int:
     else:
         seeded = [{"on": True, "off": False}[x] for x in args.seeded.split(",")]
         if args.cmd == "bench-one":
-            bench_one(args.ckpt, args.out, args.engine, cells, args.rounds, seeded, args.mem_gb, args.budget_s)
+            only = None if args.only is None else [v for v in args.only.split(",") if v]
+            named = {variant(*c, sd) for c in cells for sd in seeded}
+            bad = [v for v in (only or []) if v not in named]
+            if bad:
+                print(f"rollout_gpu: --only {bad[0]!r} is not one of --cells x --seeded "
+                      f"(BxPxN/on or /off, e.g. {sorted(named)[0]})", file=sys.stderr)
+                return 2
+            bench_one(args.ckpt, args.out, args.engine, cells, args.rounds, seeded, args.mem_gb, args.budget_s, only)
         else:
             bad = [e for e in args.engines.split(",") if e not in ENGINE_KINDS]
             if bad:

@@ -1,4 +1,7 @@
-"""benchmarks/rollout_gpu.py compare: the ratios a user reads, from engine parts as bench-one writes them."""
+"""benchmarks/rollout_gpu.py compare: the ratios a user reads, from engine parts as bench-one writes them;
+bench: which variants each engine process is asked to time."""
+
+import json
 
 import pytest
 
@@ -56,3 +59,61 @@ def test_markdown_shows_every_cell_each_engine_and_the_worst_cell():
     b_row = next(x for x in lines if x.startswith("| 64 x 512 x 512"))
     assert "| - |" in b_row  # stock_bi did not measure this cell
     assert "aligned / stock: worst 1.20 (1x64x128 seeded), best 0.90 (64x512x512 seeded), 2 cells" in md
+
+
+def _arg(cmd, flag):
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+@pytest.mark.parametrize("first_exit", [0, 124])
+def test_bench_gives_later_engines_the_variants_the_first_one_finished(tmp_path, monkeypatch, first_exit):
+    """An engine process that ran out of budget (exit 0) or was cut off by `timeout` (124) after two of
+    the four variants: the next engine times exactly those two, so each finished cell has its ratio."""
+    import subprocess
+
+    import benchmarks.rollout_gpu as rg
+
+    calls = []
+
+    def engine_process(cmd, env=None):  # stands in for one bench-one process (it needs CUDA vLLM)
+        kind, out, only = _arg(cmd, "--engine"), _arg(cmd, "--out"), _arg(cmd, "--only")
+        calls.append((kind, only))
+        cells = [tuple(map(int, c.split("x"))) for c in _arg(cmd, "--cells").split(",")]
+        seeded = [x == "on" for x in _arg(cmd, "--seeded").split(",")]
+        want = [(c, sd) for c in cells for sd in seeded]
+        if only is None:
+            want = want[:2]  # the first engine: its budget ends after two variants
+        else:
+            want = [(c, sd) for c, sd in want if rg.variant(*c, sd) in only.split(",")]
+        m = 1.0 if kind == "stock" else 1.1
+        part = {"engine": kind, "startup_s": 1.0, "env": {}, "probes": [], "skipped": [],
+                "cells": [{"batch": b, "prompt": p, "new": n, "seeded": sd, "rounds_s": [m], "median_s": m,
+                           "min_s": m, "max_s": m, "tok_s": b * n / m} for (b, p, n), sd in want]}
+        json.dump(part, open(out, "w"))
+        return subprocess.CompletedProcess(cmd, first_exit if only is None else 0)
+
+    monkeypatch.setattr(subprocess, "run", engine_process)
+    res = rg.bench("ckpt", str(tmp_path / "b.json"), [A, B], 5, engines=("stock", "aligned"), seeded=(True, False),
+                   budget_s=100)
+    assert calls == [("stock", None), ("aligned", "1x64x128/on,1x64x128/off")]
+    assert sorted((r["batch"], r["seeded"], r["aligned_over_stock"]) for r in res["cells"]) == [(1, False, 1.1), (1, True, 1.1)]
+    assert (tmp_path / "b.aligned.json").exists() and (tmp_path / "b.json").exists()
+
+
+def test_bench_one_command_names_only_when_given():
+    from benchmarks.rollout_gpu import bench_one_command, variant
+
+    cmd = bench_one_command("aligned", "ck", "p.json", [A], 5, 20, (True,), 0, None)
+    assert "--only" not in cmd and cmd[cmd.index("--cells") + 1] == "1x64x128"
+    cmd = bench_one_command("aligned", "ck", "p.json", [A, B], 5, 20, (True, False), 0, [variant(64, 512, 512, False)])
+    assert cmd[cmd.index("--only") + 1] == "64x512x512/off"
+
+
+def test_bench_one_refuses_an_only_variant_it_was_not_given(capsys):
+    from benchmarks.rollout_gpu import main
+
+    rc = main(["bench-one", "--engine", "aligned", "--ckpt", "ck", "--out", "o.json", "--cells", "1x64x128",
+               "--seeded", "on", "--only", "1x64x128/off"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--only '1x64x128/off' is not one of" in err and "1x64x128/on" in err
