@@ -28,6 +28,13 @@ last 10% of updates (and the first / last 1,000 when there are 2,000 or more), t
 norm before clipping and IS weight, reward and held-out evaluation first vs last; per lag the fast /
 aligned ratios of those figures.
 
+    python benchmarks/stability.py seeds --roots DIR_SEED0 DIR_SEED1 [...] --out benchmarks/results/<new dir>
+
+``seeds`` sets the same experiment run from several seeds (one root each) side by side: per leg, each
+seed's KL k1 growth (last / first 10%), D3 peak / median, max IS weight, max grad norm and held-out gain
+over the updates every seed and mode of that lag has, their min / median / max, and per lag fast / aligned of each figure per
+seed with the count of seeds where fast is above aligned (``seeds.json`` / ``seeds.md``).
+
     python benchmarks/stability.py sweep --root DIR --out benchmarks/results/stability_lr_sweep_cpu
         [--lrs 5e-5,1e-4,2e-4,4e-4,8e-4] [--lag 8] [--steps 200] [--budget-s 3600] [recipe overrides ...]
 
@@ -335,6 +342,98 @@ def report(root: Path, out: Path) -> dict:
     return res
 
 
+# ------------------------------------------------------------------ several seeds of one experiment
+SEED_FIGURES = (("kl_growth", "KL k1 last / first 10%"), ("d3_peak_over_median", "D3 peak / median"),
+                ("is_weight_max", "max IS weight"), ("grad_norm_max", "max grad norm"), ("eval_gain", "held-out gain"))
+
+
+def _seed_row(fig: dict) -> dict:
+    first, last = fig.get("kl_k1_median_first_10pct"), fig.get("kl_k1_median_last_10pct")
+    ev0, ev1 = fig.get("eval_first"), fig.get("eval_last")
+    return {"updates": fig.get("updates", 0),
+            "kl_growth": (last / first) if isinstance(first, (int, float)) and first and isinstance(last, (int, float)) else None,
+            "d3_peak_over_median": fig.get("d3_peak_over_median"), "is_weight_max": fig.get("is_weight_max"),
+            "grad_norm_max": fig.get("grad_norm_max"),
+            "eval_gain": (ev1 - ev0) if isinstance(ev0, (int, float)) and isinstance(ev1, (int, float)) else None}
+
+
+def seeds_report(roots: list[Path], out: Path) -> dict:
+    """One experiment run from several seeds (one ``run`` root each, e.g. ``schedule.seed=1``): per leg
+    present in every root, each seed's figures over the same number of updates (the fewest any seed
+    or mode of that lag has, so every seed and both modes get the same budget), then their min / median / max; per lag and seed, fast /
+    aligned of each figure, and how many seeds have fast above aligned. Writes ``seeds.json`` and
+    ``seeds.md`` into ``out`` (a new directory, or one holding a seeds report of the same roots)."""
+    names = [d.name for d in roots]
+    if len(set(names)) != len(names) or len(roots) < 2:
+        raise SystemExit("stability: seeds needs two or more --roots with distinct directory names")
+    legs_of = {}
+    for r in roots:
+        if not r.is_dir():
+            raise SystemExit(f"stability: --roots {r} is not a directory")
+        legs_of[r.name] = {d.name for d in r.iterdir() if d.is_dir() and (d / "metrics.jsonl").is_file()
+                           and d.name.startswith(("aligned_lag", "fast_lag"))}
+    common = sorted(set.intersection(*legs_of.values()))
+    if not common:
+        raise SystemExit(f"stability: no leg is in every root ({', '.join(names)})")
+    if out.exists() and any(out.iterdir()):
+        rep = out / "seeds.json"
+        if not rep.is_file() or json.loads(rep.read_text()).get("roots") != names:
+            raise SystemExit(f"stability: --out {out} holds other files or a report of other roots; give a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"roots": names, "legs": {}, "lags": {}}
+    lag_of = {leg: int(leg.split("lag")[1]) for leg in common}
+    budget = {lag: min(_updates_of(r / leg) for r in roots for leg in common if lag_of[leg] == lag)
+              for lag in set(lag_of.values())}
+    for leg in common:
+        n = budget[lag_of[leg]]  # both modes of a lag, every seed: the same number of updates
+        per = {r.name: _seed_row(leg_figures(r / leg, n)) for r in roots}
+        summary = {}
+        for key, _ in SEED_FIGURES:
+            xs = sorted(v[key] for v in per.values() if isinstance(v[key], (int, float)))
+            summary[key] = {"min": xs[0], "median": _median(xs), "max": xs[-1]} if xs else None
+        res["legs"][leg] = {"updates_each": n, "seeds": per, "summary": summary}
+    for lag in sorted({int(x.split("lag")[1]) for x in common}):
+        a, f = res["legs"].get(f"aligned_lag{lag}"), res["legs"].get(f"fast_lag{lag}")
+        if not (a and f):
+            continue
+        ratios = {}
+        for key, _ in SEED_FIGURES[:4]:
+            rs = {s: (f["seeds"][s][key] / a["seeds"][s][key])
+                  if isinstance(a["seeds"][s][key], (int, float)) and a["seeds"][s][key]
+                  and isinstance(f["seeds"][s][key], (int, float)) else None for s in names}
+            ratios[key] = {"per_seed": rs, "fast_above": sum(1 for x in rs.values() if x is not None and x > 1),
+                           "seeds": sum(1 for x in rs.values() if x is not None)}
+        res["lags"][str(lag)] = ratios
+
+    def g(x):
+        return "-" if x is None else f"{x:.3g}"
+
+    lines = ["# Stability over seeds", "", f"roots: {', '.join(f'`{x}`' for x in names)}; every leg of a lag compared over "
+             "the updates every seed and mode of that lag has", ""]
+    for leg, r in res["legs"].items():
+        lines += [f"## {leg} ({r['updates_each']} updates each)", "",
+                  "| seed | " + " | ".join(t for _, t in SEED_FIGURES) + " |", "|---|" + "---|" * len(SEED_FIGURES)]
+        lines += [f"| {s} | " + " | ".join(g(v[k]) for k, _ in SEED_FIGURES) + " |" for s, v in r["seeds"].items()]
+        lines.append("| min / median / max | " + " | ".join(
+            "-" if r["summary"][k] is None else f"{g(r['summary'][k]['min'])} / {g(r['summary'][k]['median'])} / "
+            f"{g(r['summary'][k]['max'])}" for k, _ in SEED_FIGURES) + " |")
+        lines.append("")
+    for lag, ratios in res["lags"].items():
+        lines += [f"## lag {lag}: fast / aligned per seed", "", "| figure | " + " | ".join(names) + " | fast above aligned |",
+                  "|---|" + "---|" * (len(names) + 1)]
+        lines += [f"| {t} | " + " | ".join(g(ratios[k]["per_seed"][s]) for s in names)
+                  + f" | {ratios[k]['fast_above']} of {ratios[k]['seeds']} |" for k, t in SEED_FIGURES[:4]]
+        lines.append("")
+    (out / "seeds.json").write_text(json.dumps(res, indent=1))
+    (out / "seeds.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return res
+
+
+def _updates_of(run_dir: Path) -> int:
+    return leg_figures(run_dir).get("updates", 0)
+
+
 # ------------------------------------------------------------------ the lr sweep (issue 35)
 # aligned at lag 8 from the run's base model, one run per lr; the long runs then use the largest stable one
 SWEEP_LRS = "5e-5,1e-4,2e-4,4e-4,8e-4"
@@ -542,6 +641,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("report")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    e = sub.add_parser("seeds")
+    e.add_argument("--roots", nargs="+", required=True)
+    e.add_argument("--out", required=True)
     w = sub.add_parser("sweep")
     w.add_argument("--root", required=True)
     w.add_argument("--out", required=True)
@@ -560,6 +662,9 @@ def main(argv=None) -> int:
         return sweep(Path(a.root), Path(a.out), a.recipe, _lrs(a.lrs), a.steps, a.lag, a.budget_s, a.overrides, a.bf16)
     if a.cmd == "run":
         return run(Path(a.root), a.recipe, _legs(a.legs), a.steps, a.slice_s, a.budget_s, a.overrides, a.bf16)
+    if a.cmd == "seeds":
+        seeds_report([Path(x) for x in a.roots], Path(a.out))
+        return 0
     report(Path(a.root), Path(a.out))
     return 0
 

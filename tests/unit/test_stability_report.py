@@ -130,3 +130,34 @@ def test_the_report_names_each_override_once_with_the_value_the_run_used():
     eff = stability.effective(ov)
     assert "algo.lr=5e-5" in eff and "algo.lr=1e-4" not in eff
     assert len(eff) == len({o.split("=", 1)[0] for o in ov}) and eff[0] == "algo.lr=5e-5"
+
+
+def test_seeds_report_sets_seeds_side_by_side_over_the_same_updates(tmp_path):
+    s0, s1 = tmp_path / "exp", tmp_path / "exp_seed1"
+    _write(s0 / "aligned_lag8", [1.0] * 18 + [3.0, 3.0])  # 20 updates; seed 1 has 10: both compared over 10
+    _write(s0 / "fast_lag8", [1.0] * 9 + [5.0] + [9.0] * 10)
+    _write(s1 / "aligned_lag8", [1.0] * 9 + [2.0])
+    _write(s1 / "fast_lag8", [1.0] * 9 + [1.5])
+    _write(s1 / "aligned_lag2", [1.0] * 10)  # in one root only: left out
+    res = stability.seeds_report([s0, s1], tmp_path / "out")
+    assert set(res["legs"]) == {"aligned_lag8", "fast_lag8"}
+    a, f = res["legs"]["aligned_lag8"], res["legs"]["fast_lag8"]
+    assert a["updates_each"] == f["updates_each"] == 10
+    # kl_k1 = 2 * d3 in _write: KL growth = last tenth / first tenth of the first 10 updates
+    assert a["seeds"]["exp"]["kl_growth"] == 1.0 and a["seeds"]["exp_seed1"]["kl_growth"] == 2.0
+    assert f["seeds"]["exp"]["kl_growth"] == 5.0 and f["seeds"]["exp_seed1"]["kl_growth"] == 1.5
+    assert a["summary"]["kl_growth"] == {"min": 1.0, "median": 1.5, "max": 2.0}
+    kl = res["lags"]["8"]["kl_growth"]
+    assert kl["per_seed"] == {"exp": 5.0, "exp_seed1": 0.75} and kl["fast_above"] == 1 and kl["seeds"] == 2
+    # held-out evaluations count up to the compared update only: seed 0's second one (update 20) is past it
+    assert a["seeds"]["exp"]["eval_gain"] == 0.0 and a["seeds"]["exp_seed1"]["eval_gain"] == pytest.approx(0.4)
+    md = (tmp_path / "out" / "seeds.md").read_text()
+    assert "| exp_seed1 | 2 |" in md and "| KL k1 last / first 10% | 5 | 0.75 | 1 of 2 |" in md
+    # the same roots' report is rewritten; other files or other roots are never overwritten
+    stability.seeds_report([s0, s1], tmp_path / "out")
+    with pytest.raises(SystemExit, match="other roots"):
+        stability.seeds_report([s1, s0], tmp_path / "out")
+    with pytest.raises(SystemExit, match="two or more"):
+        stability.seeds_report([s0], tmp_path / "out2")
+    with pytest.raises(SystemExit, match="not a directory"):
+        stability.seeds_report([s0, tmp_path / "missing"], tmp_path / "out3")
