@@ -609,6 +609,9 @@ def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, m
 
     parts = []
     base = os.path.splitext(out)[0]
+    taken = [x for x in (f"{base}.{k}.json" for k in engines) if os.path.exists(x)]
+    if taken:  # the engines' parts of an earlier run (main checks --out itself) are never overwritten, nor read back
+        raise SystemExit(f"rollout_gpu: {taken[0]} exists (an earlier run's results); give another --out")
     for kind in engines:
         part = f"{base}.{kind}.json"
         env = {**os.environ, **ENGINE_KINDS[kind][1]}
@@ -683,8 +686,6 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
 
     try:
         for (B, P, N) in cells:
-            if only is not None and not any(variant(B, P, N, sd) in only for sd in seeded):
-                continue
             prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(B, P, cfg["vocab_size"], seed=B + P)]
 
             def sp(n):

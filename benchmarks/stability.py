@@ -382,7 +382,7 @@ def seeds_report(roots: list[Path], out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"roots": names, "legs": {}, "lags": {}}
     lag_of = {leg: int(leg.split("lag")[1]) for leg in common}
-    budget = {lag: min(_updates_of(r / leg) for r in roots for leg in common if lag_of[leg] == lag)
+    budget = {lag: min(_updates(r / leg) for r in roots for leg in common if lag_of[leg] == lag)
               for lag in set(lag_of.values())}
     for leg in common:
         n = budget[lag_of[leg]]  # both modes of a lag, every seed: the same number of updates
@@ -428,10 +428,6 @@ def seeds_report(roots: list[Path], out: Path) -> dict:
     (out / "seeds.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return res
-
-
-def _updates_of(run_dir: Path) -> int:
-    return leg_figures(run_dir).get("updates", 0)
 
 
 # ------------------------------------------------------------------ the lr sweep (issue 35)

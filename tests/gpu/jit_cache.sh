@@ -27,6 +27,10 @@ dir=$(cd "$dir" && pwd)
 NAME=jit_cache.tgz
 case "$cmd" in
   save)
+    if [ -e "$dir/SHA256SUMS" ] || ls "$dir/$NAME".part* >/dev/null 2>&1; then
+      echo "jit_cache: $dir already holds a saved cache; give another DEST" >&2
+      exit 1
+    fi
     have=()
     for c in "${CACHES[@]}"; do [ -d "$HOME/$c" ] && have+=("$c"); done
     if [ ${#have[@]} -eq 0 ]; then

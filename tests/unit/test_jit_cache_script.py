@@ -80,3 +80,13 @@ def test_nothing_to_save_and_bad_arguments(tmp_path):
     assert _run(empty, "load", str(tmp_path / "missing")).returncode == 1
     assert _run(empty, "frobnicate", str(tmp_path)).returncode == 2
     assert _run(empty).returncode == 2
+
+
+def test_save_never_overwrites_an_earlier_save(tmp_path):
+    a, out = tmp_path / "a", tmp_path / "out"
+    _fill(a)
+    assert _run(a, "save", str(out)).returncode == 0
+    before = _tree(out)
+    r = _run(a, "save", str(out))
+    assert r.returncode == 1 and "already holds a saved cache" in r.stderr
+    assert _tree(out) == before

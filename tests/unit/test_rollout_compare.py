@@ -109,11 +109,33 @@ def test_bench_one_command_names_only_when_given():
     assert cmd[cmd.index("--only") + 1] == "64x512x512/off"
 
 
-def test_bench_one_refuses_an_only_variant_it_was_not_given(capsys):
+def test_bench_one_refuses_an_only_variant_it_was_not_given(capsys, tmp_path):
     from benchmarks.rollout_gpu import main
 
-    rc = main(["bench-one", "--engine", "aligned", "--ckpt", "ck", "--out", "o.json", "--cells", "1x64x128",
+    rc = main(["bench-one", "--engine", "aligned", "--ckpt", "ck", "--out", str(tmp_path / "o.json"), "--cells", "1x64x128",
                "--seeded", "on", "--only", "1x64x128/off"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "--only '1x64x128/off' is not one of" in err and "1x64x128/on" in err
+
+
+def test_bench_and_bench_one_never_overwrite_an_earlier_run(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    import benchmarks.rollout_gpu as rg
+
+    def no_engine(cmd, env=None):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(subprocess, "run", no_engine)
+    for earlier in ("b.stock.json", "b.aligned.json"):
+        d = tmp_path / earlier.replace(".", "_")
+        d.mkdir()
+        (d / earlier).write_text("{}")
+        with pytest.raises(SystemExit, match=f"{earlier} exists"):
+            rg.bench("ckpt", str(d / "b.json"), [A], 5, engines=("stock", "aligned"))
+        assert (d / earlier).read_text() == "{}"
+    (tmp_path / "o.json").write_text("{}")
+    rc = rg.main(["bench-one", "--engine", "aligned", "--ckpt", "ck", "--out", str(tmp_path / "o.json"),
+                  "--cells", "1x64x128"])
+    assert rc == 2 and "already holds results" in capsys.readouterr().err and (tmp_path / "o.json").read_text() == "{}"
