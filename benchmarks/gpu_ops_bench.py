@@ -135,22 +135,35 @@ def bench_attention(args):
 
 def bench_moe(args):
     from benchmarks.moe_model import experts_fast
+    from kernels import settings
     from kernels.triton.moe import moe_experts_merged
 
     bench_graph, _ = _bg()
     rows = []
-    for name, H, I, E, k in (("1B-config layer", 1024, 512, 32, 4), ("Qwen3-30B-A3B layer", 2048, 768, 128, 8)):
+    narrow0 = settings.moe_narrow_tiles()
+    for name, H, I, E, k in (("1B-config layer", 1024, 512, 32, 4), ("moe1b layer", 1024, 768, 32, 4),
+                             ("Qwen3-30B-A3B layer", 2048, 768, 128, 8)):
         n = 2
         wgu = [torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5 for _ in range(n)]
         wd = [torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5 for _ in range(n)]
-        for T in (1, 16, 64, 256, 1024, 4096):
+        for T in (1, 4, 16, 32, 64, 256, 1024, 4096):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             w, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(k, -1)
             w = w / w.sum(-1, keepdim=True)
             tb = bench_graph(lambda i: (lambda: experts_fast(x, wgu[i], wd[i], ids, w)), n, iters=8)
+            settings.set_moe_narrow_tiles(False)
             ta = bench_graph(lambda i: (lambda: moe_experts_merged(x, wgu[i], wd[i], ids, w)), n, iters=8)
+            y0 = moe_experts_merged(x, wgu[0], wd[0], ids, w)
+            # the narrow small-batch plan (settings.set_moe_narrow_tiles): its time and whether its
+            # output is the default plan's, bit for bit
+            settings.set_moe_narrow_tiles(True)
+            tn = bench_graph(lambda i: (lambda: moe_experts_merged(x, wgu[i], wd[i], ids, w)), n, iters=8)
+            same = bool(torch.equal(moe_experts_merged(x, wgu[0], wd[0], ids, w), y0))
+            settings.set_moe_narrow_tiles(narrow0)
             _row(rows, f"moe {name} H={H} I={I} E={E} k={k} T={T}", tb, ta, H=H, I=I, E=E, k=k, T=T,
-                 baseline="torch._grouped_mm + silu + combine")
+                 baseline="torch._grouped_mm + silu + combine", narrow_us=tn * 1e3, narrow_bitwise=same)
+            print(f"{'':<58} narrow {tn * 1e3:9.1f} us  (default / narrow {ta / tn:5.2f}, bitwise {same})",
+                  flush=True)
         del wgu, wd
     return rows
 

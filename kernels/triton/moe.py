@@ -28,6 +28,7 @@ separate GEMMs, rows gathered from x by token id); (2) down grouped GEMM writing
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Sequence, Union
 
@@ -44,7 +45,7 @@ if _USE_LIBDEVICE:
 _LIBDEVICE = tl.constexpr(_USE_LIBDEVICE)
 
 __all__ = ["moe_experts", "moe_experts_merged", "grouped_linear", "swiglu", "moe_combine", "expert_mlp",
-           "make_work_list", "work_list", "work_list_fused"]
+           "make_work_list", "work_list", "work_list_fused", "grouped_tile_n"]
 
 
 @triton.jit
@@ -290,17 +291,44 @@ def make_work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int):
             expert_end.to(torch.int32).contiguous())
 
 
-def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, block_m):
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def grouped_tile_n(rows: int, n_experts: int, N: int, block_m: int, swiglu: bool, sm_count: int,
+                   narrow: Optional[bool] = None) -> tuple[int, int]:
+    """(output columns per program, warps) of a grouped GEMM launch over ``rows`` (token, slot) rows.
+
+    Default: 64 columns for 16-row tiles, else 128 (64 with the SwiGLU epilogue's two accumulators).
+    With narrow tiles (``settings.moe_narrow_tiles()``, or ``narrow``) a 16-row tile's width halves,
+    down to 16 columns, until the experts that can hold rows (``min(rows, n_experts)``) give
+    ``2 * sm_count`` programs; one warp per 16 columns. Host sizes only, so a captured CUDA graph keeps
+    its plan. A launch plan: every column is the same dot chain over K whatever the width."""
+    block_n = 64 if block_m <= 16 else 128
+    if swiglu:
+        block_n = min(block_n, 64)
+    warps = 4 if block_m <= 64 else 8
+    if settings.moe_narrow_tiles() if narrow is None else narrow:
+        if block_m <= 16:
+            active = max(1, min(int(rows), int(n_experts)))
+            while block_n > 16 and active * triton.cdiv(N, block_n) < 2 * int(sm_count):
+                block_n //= 2
+            warps = block_n // 16
+    return block_n, warps
+
+
+def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, block_m, rows):
     tile_expert, tile_start, expert_end = work[-3:]
     if K % nseg:
         raise ValueError(f"grouped GEMM: K={K} not divisible into {nseg} segments")
     seg_len = K // nseg
-    block_n = 64 if block_m <= 16 else 128
+    sms = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
+        if a.is_cuda else 132
+    block_n, num_warps = grouped_tile_n(rows, w.shape[0], N, block_m, swiglu, sms)
     block_k = 128 if block_m <= 16 else 64
     if a.element_size() == 4:
         block_k = max(16, block_k // 2)
-    if swiglu:
-        block_n = min(block_n, 64)
     if nseg > 1 and seg_len % block_k:
         # as gemm.matmul: the widest tile that divides the segment, else 16-wide tiles masked at the
         # segment's end (a tiny model's 64-wide expert down_proj in 8 row-parallel segments of 8)
@@ -308,7 +336,6 @@ def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, b
         while block_k * 2 <= bk_max and seg_len % (block_k * 2) == 0:
             block_k *= 2
     even_k = seg_len % block_k == 0
-    num_warps = 4 if block_m <= 64 else 8
     grid = (tile_expert.numel(), triton.cdiv(N, block_n))
     _grouped_kernel[grid](
         a, a_rows if a_rows is not None else tile_start, w, w2 if w2 is not None else w, out,
@@ -333,7 +360,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, *
     bm = _block_m(R, E)
     work = work_list(expert_ids.reshape(-1), E, bm)
     order = work[0]
-    _launch_grouped(x, order, w, None, out, order, work, N, K, int(k_segments), False, bm)
+    _launch_grouped(x, order, w, None, out, order, work, N, K, int(k_segments), False, bm, R)
     return out
 
 
@@ -434,8 +461,8 @@ def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_dow
     work = work_list(topk_ids.reshape(-1), E, bm, top_k=k)
     order, tok = work[0], work[1]
     act = torch.empty(R, I, device=x.device, dtype=x.dtype)
-    _launch_grouped(x, tok, w_gate, w_up, act, None, work, I, H, 1, True, bm)
-    _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm)
+    _launch_grouped(x, tok, w_gate, w_up, act, None, work, I, H, 1, True, bm, R)
+    _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm, R)
     return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
 
 
@@ -458,6 +485,6 @@ def expert_rows(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, w_gate_up
     order = work[0]
     a_rows = tok.to(torch.int32)[order.long()].contiguous()
     act = torch.empty(R, I, device=x.device, dtype=x.dtype)
-    _launch_grouped(x, a_rows, w_gate_up[:, :I], w_gate_up[:, I:], act, None, work, I, H, 1, True, bm)
-    _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm)
+    _launch_grouped(x, a_rows, w_gate_up[:, :I], w_gate_up[:, I:], act, None, work, I, H, 1, True, bm, R)
+    _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm, R)
     return y

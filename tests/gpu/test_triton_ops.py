@@ -237,6 +237,35 @@ def test_moe_grouped_equals_dense_per_token(case):
     assert rel < 1e-2
 
 
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_narrow_tiles_give_the_default_plans_bits(case):
+    """The narrow grouped-GEMM plan of small batches (kernels.settings.set_moe_narrow_tiles: 32- or
+    16-column tiles, one warp per 16 columns) against the default 64-column plan, bitwise, for every
+    batch of 1..40 tokens and 64, also through the segmented down_proj and grouped_linear; and a
+    token alone under the narrow plan equals the token inside the default plan's 512-row batch."""
+    _need_cuda()
+    moe = _mod("moe")
+    from kernels import settings
+
+    c = MOE_CASES[case]
+    x, wgu, wd, ids, w, sh = _moe_setup(c)
+    before = settings.moe_narrow_tiles()
+    try:
+        outs = {}
+        for narrow in (False, True):
+            settings.set_moe_narrow_tiles(narrow)
+            outs[narrow] = [moe.moe_experts_merged(x[:T], wgu, wd, ids[:T], w[:T]) for T in list(range(1, 41)) + [64]]
+            outs[narrow].append(moe.grouped_linear(x[:3], wgu[:, :c["I"]].contiguous(), ids[:3, 0], k_segments=8))
+        settings.set_moe_narrow_tiles(False)
+        full = moe.moe_experts_merged(x, wgu, wd, ids, w)
+    finally:
+        settings.set_moe_narrow_tiles(before)
+    for i, (a, b) in enumerate(zip(outs[False], outs[True])):
+        assert torch.equal(a, b), f"output {i}"
+    assert torch.equal(outs[True][0], full[:1])
+    assert moe.grouped_tile_n(1 * c["k"], c["E"], c["I"], 16, True, 132, narrow=True)[0] < 64  # the plan did narrow
+
+
 def test_grouped_linear_matches_dense():
     _need_cuda()
     moe = _mod("moe")

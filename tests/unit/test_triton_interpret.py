@@ -698,3 +698,42 @@ print("recompute done")
     assert res["float64_rounded"] == res["learner"] != res["vllm"]
     runs = [v for by in res["configs"].values() for v in by.values()]
     assert len(runs) >= 3 * 5 and all(v == res["learner"] for v in runs)
+
+
+CHILD_NARROW = r'''
+import torch
+from kernels import settings
+from kernels.triton import moe as M
+
+torch.manual_seed(5)
+H, I, E, k = 64, 48, 8, 2  # N = 48 (gate/up) and 64 (down): a 32- or 16-wide tile masks the last one
+wgu = torch.randn(E, 2 * I, H) * H ** -0.5
+wd = torch.randn(E, H, I) * I ** -0.5
+for T in (1, 3, 8):
+    x = torch.randn(T, H)
+    w, ids = torch.randn(T, E).softmax(-1).topk(k, -1)
+    outs = {}
+    for narrow in (False, True):
+        settings.set_moe_narrow_tiles(narrow)
+        outs[narrow] = (M.moe_experts_merged(x, wgu, wd, ids, w, k_segments_down=4),
+                        M.grouped_linear(x, wgu[:, :I], ids[:, 0]))
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b), T
+    ref = torch.stack([torch.nn.functional.silu(x[t] @ wgu[e, :I].T) * (x[t] @ wgu[e, I:].T) for t in range(T)
+                       for e in ids[t].tolist()]).view(T, k, I)
+    full = torch.stack([sum(w[t, j] * (ref[t, j] @ wd[ids[t, j]].T) for j in range(k)) for t in range(T)])
+    assert torch.allclose(outs[True][0], full, atol=1e-4, rtol=1e-4), (outs[True][0] - full).abs().max()
+# the plans themselves: batch 1 of a 32-expert top-4 layer goes narrow, a 32-row decode stays at 64
+assert M.grouped_tile_n(4, 32, 768, 16, True, 132, narrow=True) == (16, 1)
+assert M.grouped_tile_n(4, 32, 768, 16, True, 132, narrow=False) == (64, 4)
+assert M.grouped_tile_n(128, 32, 768, 16, True, 132, narrow=True) == (64, 4)
+assert M.grouped_tile_n(4, 32, 1024, 16, False, 132, narrow=True) == (16, 1)
+assert M.grouped_tile_n(2048, 32, 768, 128, True, 132, narrow=True) == (64, 8)  # prefill tiles unchanged
+print("interpreted narrow MoE tiles OK")
+'''
+
+
+def test_moe_narrow_tiles_equal_the_default_plan_in_the_interpreter():
+    """Grouped MoE GEMMs with narrow output tiles (settings.set_moe_narrow_tiles) == the default plan,
+    masks of a last partial tile included, and close to a float reference; and the host picks."""
+    _interpret(CHILD_NARROW, "interpreted narrow MoE tiles OK")
