@@ -23,6 +23,7 @@ _EXPORTS = {
     "Unreduced": "dispatch",
     "row_partials": "dispatch",
     "rms_norm": "dispatch",
+    "qk_rms_norm": "dispatch",
     "add_rms_norm": "dispatch",
     "apply_rope": "dispatch",
     "attention": "dispatch",

@@ -48,6 +48,7 @@ from .settings import backend, set_backend
 __all__ = [
     "set_backend", "backend", "use_triton",
     "linear", "linear_partial", "linear_unreduced", "finish_unreduced", "Unreduced", "row_partials", "rms_norm",
+    "qk_rms_norm",
     "add_rms_norm", "apply_rope", "attention", "causal_attention",
     "varlen_attention", "router_logits", "route", "swiglu", "expert_mlp", "expert_mlp_merged",
     "moe_combine", "moe_experts", "moe_expert_rows", "lm_head_logits", "logprobs_from_logits", "log_softmax",
@@ -187,6 +188,20 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
         with torch.no_grad():
             return trms(x, weight, eps)
     return _grads.rms_norm(lambda x_, w_: trms(x_, w_, eps), x, weight, eps, bwd=rms_norm_backward)
+
+
+def qk_rms_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                eps: float = 1e-6) -> torch.Tensor:
+    """Qwen3's per-head q and k norms over one ``[T, Hq + Hkv, D]`` view (heads ``< num_q_heads``
+    with ``q_weight``): bitwise ``cat(rms_norm(q, q_weight), rms_norm(k, k_weight), dim=1)``; on CUDA
+    without gradients one launch (``kernels.triton.rmsnorm.qk_rms_norm``)."""
+    if use_triton(qk) and qk.dtype in _GPU_DTYPES and qk.dim() == 3 and qk.stride(-1) == 1 \
+            and not _needs_grad(qk, q_weight, k_weight):
+        from .triton.rmsnorm import qk_rms_norm as tqk
+
+        with torch.no_grad():
+            return tqk(qk, q_weight, k_weight, num_q_heads, eps)
+    return torch.cat([rms_norm(qk[:, :num_q_heads], q_weight, eps), rms_norm(qk[:, num_q_heads:], k_weight, eps)], 1)
 
 
 def add_rms_norm(x: torch.Tensor, delta: Union[torch.Tensor, Unreduced], weight: Optional[torch.Tensor],

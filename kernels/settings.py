@@ -14,7 +14,8 @@ the sampled token's logprob and the finiteness flag) or the unfused plans. ``RZ_
 (``64`` | ``16``, default 64): rows per split-KV decode program (see set_decode_rows).
 ``RZ_DECODE_FUSED_MERGE`` (``0`` | ``1``, default 0): the split-KV decode's chunk states folded by the
 last program of each (sequence, KV head) instead of a second kernel (see set_decode_fused_merge).
-``RZ_MOE_NARROW_TILES`` (``0`` | ``1``, default 0): narrower output tiles for the grouped MoE GEMMs of
+``RZ_QK_ONE_LAUNCH`` (``0`` | ``1``, default 0): the aligned engine's Qwen3 q/k norms in one launch and
+their RoPE in one (see set_qk_one_launch). ``RZ_MOE_NARROW_TILES`` (``0`` | ``1``, default 0): narrower output tiles for the grouped MoE GEMMs of
 small batches, so that more programs stream the few active experts' weights (see set_moe_narrow_tiles).
 """
 
@@ -34,6 +35,7 @@ _decode_rows = int(os.environ.get("RZ_DECODE_ROWS", "64") or 64)  # opt-in: see 
 _gemm_table = os.environ.get("RZ_GEMM_TABLE", "auto") or "auto"
 _decode_fused_merge = os.environ.get("RZ_DECODE_FUSED_MERGE", "0") == "1"  # opt-in: see set_decode_fused_merge
 _moe_narrow_tiles = os.environ.get("RZ_MOE_NARROW_TILES", "0") == "1"  # opt-in: see set_moe_narrow_tiles
+_qk_one_launch = os.environ.get("RZ_QK_ONE_LAUNCH", "0") == "1"  # opt-in: see set_qk_one_launch
 
 
 def set_backend(name: str) -> None:
@@ -133,6 +135,22 @@ def set_moe_narrow_tiles(on: bool) -> None:
 
 def moe_narrow_tiles() -> bool:
     return _moe_narrow_tiles
+
+
+def set_qk_one_launch(on: bool) -> None:
+    """The aligned CUDA engine's Qwen3 attention input: q_norm and k_norm over the packed q/k/v GEMM
+    output's q and k heads in one launch (``kernels.qk_rms_norm``), then RoPE of q and k in one launch
+    over the result (as Qwen2's path already does), instead of four launches per layer. Each row is
+    the same row function with the same block and warps, each RoPE element its own formula, so a
+    launch plan only; opt-in (``RZ_QK_ONE_LAUNCH=1``) until ``tests/gpu`` and ``rz check`` have run it.
+    The H100 profile of 1 x 64 x 128 (moe1b) had the q/k norms and RoPE at ~1.2-1.7 us a launch, four
+    launches a layer."""
+    global _qk_one_launch
+    _qk_one_launch = bool(on)
+
+
+def qk_one_launch() -> bool:
+    return _qk_one_launch
 
 
 def set_fused_work_list(on: bool) -> None:

@@ -13,6 +13,8 @@ no copy is made first; the output is contiguous.
 
 Fused forms (one launch each, no autograd), bitwise the ops they replace:
 
+* :func:`qk_rms_norm`: the q heads and the k heads of one strided ``[T, Hq + Hkv, D]`` view, each
+  set with its own weight (Qwen3's q_norm / k_norm), in one launch instead of two;
 * :func:`add_rms_norm`: ``h = x + delta`` (fp32 add, one rounding: torch's add), stored, and the
   norm of the rounded ``h``;
 * :func:`add_partials_rms_norm`: the same with ``delta`` still the fp32 K-segment partials of a
@@ -35,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "add_rms_norm", "add_partials_rms_norm"]
+__all__ = ["rms_norm", "qk_rms_norm", "add_rms_norm", "add_partials_rms_norm"]
 
 
 @triton.jit
@@ -60,6 +62,23 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, N1, strid
     # input row ``row`` = (row // N1, row % N1) of a [.., N1, D] view with strides (stride_x, stride_x1)
     x = tl.load(x_ptr + (row // N1) * stride_x + (row % N1) * stride_x1 + offs, mask=mask, other=0.0)
     y = _norm_row(x.to(tl.float32), w_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, HAS_W)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _qk_rmsnorm_kernel(x_ptr, wq_ptr, wk_ptr, out_ptr, D, stride_x, stride_o, eps, N1, stride_x1, NQ,
+                       BLOCK_D: tl.constexpr):
+    """_rmsnorm_kernel over the q and k heads of one ``[T, NQ + NK, D]`` view, q heads normed with
+    ``wq``, k heads with ``wk``: each row through the same row function, block and warp count."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    head = row % N1
+    x = tl.load(x_ptr + (row // N1) * stride_x + head * stride_x1 + offs, mask=mask, other=0.0)
+    if head < NQ:
+        y = _norm_row(x.to(tl.float32), wq_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, True)
+    else:
+        y = _norm_row(x.to(tl.float32), wk_ptr, offs, mask, D, eps, out_ptr.dtype.element_ty, True)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
@@ -123,6 +142,29 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6)
         _rmsnorm_kernel[(R,)](
             x2, weight if weight is not None else x2, out, D, x2.stride(0), D, float(eps), n1, s1,
             HAS_W=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+    return out
+
+
+def qk_rms_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                eps: float = 1e-6) -> torch.Tensor:
+    """Per-head RMSNorm of q and k in one launch: ``qk[T, Hq + Hkv, D]`` (any head/token strides, last
+    dim contiguous: the q and k column blocks of a packed q/k/v GEMM output), heads ``< num_q_heads``
+    with ``q_weight``, the rest with ``k_weight`` -> a contiguous ``[T, Hq + Hkv, D]``. Bitwise
+    ``cat(rms_norm(q, q_weight), rms_norm(k, k_weight), 1)``: the same row function, ``BLOCK_D`` and
+    warps as :func:`rms_norm`. No autograd."""
+    if qk.dim() != 3 or qk.stride(-1) != 1:
+        raise ValueError(f"qk_rms_norm: expected [T, H, D] with a contiguous last dim, got {tuple(qk.shape)} "
+                         f"strides {qk.stride()}")
+    T, n1, D = qk.shape
+    if not 0 < num_q_heads < n1 or q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"qk_rms_norm: {num_q_heads} q heads of {n1}, weights {tuple(q_weight.shape)} / "
+                         f"{tuple(k_weight.shape)} for head dim {D}")
+    out = torch.empty(T, n1, D, device=qk.device, dtype=qk.dtype)
+    if T and D:
+        block_d = triton.next_power_of_2(D)
+        _qk_rmsnorm_kernel[(T * n1,)](
+            qk, q_weight, k_weight, out, D, qk.stride(0), D, float(eps), n1, qk.stride(1), int(num_q_heads),
+            BLOCK_D=block_d, num_warps=_num_warps(block_d))
     return out
 
 

@@ -355,3 +355,28 @@ def test_aligned_cuda_engine_bitwise_on_the_v2_runner(moe_ckpt, tmp_path, monkey
     assert r["learner_eq_engine_tokens"] == f"{8 * 64}/{8 * 64}", r
     assert r["after_update_learner_eq_engine_tokens"] == f"{8 * 32}/{8 * 32}", r
 
+
+
+def test_aligned_cuda_engine_bitwise_with_the_small_batch_plans(moe_ckpt, tmp_path, monkeypatch):
+    """The same with the opt-in small-batch launch plans on (``RZ_MOE_NARROW_TILES``: narrow grouped
+    MoE tiles; ``RZ_QK_ONE_LAUNCH``: Qwen3's q/k norms in one launch, their RoPE in one): still batch
+    invariant, decode == prefill and equal to the learner's kernels, which run the default plans.
+    This is the measurement that decides whether the plans may become the defaults."""
+    import benchmarks.rollout_gpu as rg
+
+    from kernels import settings
+
+    monkeypatch.setenv("RZ_MOE_NARROW_TILES", "1")  # the engine's processes read these at start
+    monkeypatch.setenv("RZ_QK_ONE_LAUNCH", "1")
+    before = settings.moe_narrow_tiles(), settings.qk_one_launch()
+    settings.set_moe_narrow_tiles(False)  # this process (the learner side): the default plans
+    settings.set_qk_one_launch(False)
+    try:
+        r = rg.check(moe_ckpt, str(tmp_path / "check.json"), which=("aligned",))["engines"]["aligned"]
+    finally:
+        settings.set_moe_narrow_tiles(before[0])
+        settings.set_qk_one_launch(before[1])
+    assert r["batch_invariance_equal"] == "8/8", r
+    n = 16 * 64
+    assert r["decode_eq_prefill_tokens"] == f"{n}/{n}", r
+    assert r["learner_eq_engine_tokens"] == f"{8 * 64}/{8 * 64}", r

@@ -439,3 +439,29 @@ def test_dispatch_picks_device():
     cos, sin = R.rope_cos_sin(torch.arange(33), 64)
     xr = x.view(33, 4, 64)
     assert torch.equal(kernels.apply_rope(xr, cos.cuda(), sin.cuda()).cpu(), kernels.apply_rope(xr.cpu(), cos, sin))
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(16, 4), (32, 4), (8, 8)])
+def test_qk_norms_in_one_launch_give_the_two_launches_bits(Hq, Hkv):
+    """kernels.qk_rms_norm (RZ_QK_ONE_LAUNCH: Qwen3's q and k norms over the packed q/k/v GEMM output
+    in one launch) == rms_norm of q and of k, bitwise, for 1..300 tokens; then one RoPE launch over
+    both == the two RoPE launches."""
+    _need_cuda()
+    from kernels.triton.rmsnorm import qk_rms_norm, rms_norm
+    from kernels.triton.rope import apply_rope
+
+    D = 128
+    y = _randn(300, (Hq + 2 * Hkv) * D, seed=Hq + Hkv)
+    wq, wk = _randn(D, seed=3), _randn(D, seed=4)
+    pos = torch.arange(300, device="cuda", dtype=torch.float64)[:, None]
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
+    cos, sin = torch.cos(pos * inv).float(), torch.sin(pos * inv).float()
+    for T in (1, 2, 7, 64, 300):
+        yt = y[:T]
+        one = qk_rms_norm(yt[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), wq, wk, Hq, 1e-6)
+        q = rms_norm(yt[:, :Hq * D].reshape(T, Hq, D), wq, 1e-6)
+        k = rms_norm(yt[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D), wk, 1e-6)
+        assert torch.equal(one[:, :Hq], q) and torch.equal(one[:, Hq:], k), T
+        r = apply_rope(one, cos[:T], sin[:T], "neox")
+        assert torch.equal(r[:, :Hq], apply_rope(q, cos[:T], sin[:T], "neox")), T
+        assert torch.equal(r[:, Hq:], apply_rope(k, cos[:T], sin[:T], "neox")), T

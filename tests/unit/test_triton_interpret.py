@@ -737,3 +737,50 @@ def test_moe_narrow_tiles_equal_the_default_plan_in_the_interpreter():
     """Grouped MoE GEMMs with narrow output tiles (settings.set_moe_narrow_tiles) == the default plan,
     masks of a last partial tile included, and close to a float reference; and the host picks."""
     _interpret(CHILD_NARROW, "interpreted narrow MoE tiles OK")
+
+
+CHILD_QK = r'''
+import torch
+import kernels
+from kernels import dispatch as D
+from kernels.triton import rmsnorm as TN, rope as TR
+
+D.use_triton = lambda *ts: D.backend() == "auto" and any(t is not None for t in ts)  # CPU tensors: Triton path
+torch.manual_seed(2)
+T, Hq, Hkv, Dh = 5, 6, 2, 64
+y = torch.randn(T, (Hq + 2 * Hkv) * Dh).to(torch.bfloat16)  # a packed q/k/v GEMM output
+qk = y[:, :(Hq + Hkv) * Dh].view(T, Hq + Hkv, Dh)  # strided: rows of y
+wq, wk = torch.randn(Dh).to(torch.bfloat16), torch.randn(Dh).to(torch.bfloat16)
+one = TN.qk_rms_norm(qk, wq, wk, Hq, 1e-6)
+two = torch.cat([TN.rms_norm(y[:, :Hq * Dh].reshape(T, Hq, Dh), wq, 1e-6),
+                 TN.rms_norm(y[:, Hq * Dh:(Hq + Hkv) * Dh].reshape(T, Hkv, Dh), wk, 1e-6)], 1)
+assert one.is_contiguous() and torch.equal(one, two)
+assert torch.equal(kernels.qk_rms_norm(qk, wq, wk, Hq, 1e-6), two)  # the dispatch's Triton path
+# and the aligned engine's composition: one RoPE launch over both == RoPE of q and of k
+pos = torch.arange(T, dtype=torch.float64)[:, None]
+inv = 1.0 / (10000 ** (torch.arange(0, Dh, 2, dtype=torch.float64) / Dh))
+cos, sin = torch.cos(pos * inv).float(), torch.sin(pos * inv).float()
+r1 = TR.apply_rope(one, cos, sin, "neox")
+assert torch.equal(r1[:, :Hq], TR.apply_rope(two[:, :Hq], cos, sin, "neox"))
+assert torch.equal(r1[:, Hq:], TR.apply_rope(two[:, Hq:], cos, sin, "neox"))
+# with gradients the dispatch falls back to the two differentiable norms
+wq2 = wq.float().requires_grad_(True)
+g = kernels.qk_rms_norm(qk.float(), wq2, wk.float(), Hq, 1e-6)
+g.sum().backward()
+assert wq2.grad is not None and torch.isfinite(wq2.grad).all()
+for bad in (dict(num_q_heads=0), dict(num_q_heads=Hq + Hkv), dict(q_weight=torch.ones(Dh + 1, dtype=torch.bfloat16))):
+    kw = {**dict(qk=qk, q_weight=wq, k_weight=wk, num_q_heads=Hq), **bad}
+    try:
+        TN.qk_rms_norm(**kw)
+    except ValueError as e:
+        assert "qk_rms_norm" in str(e)
+    else:
+        raise AssertionError(bad)
+print("interpreted qk norm OK")
+'''
+
+
+def test_qk_norms_in_one_launch_equal_two_in_the_interpreter():
+    """kernels.qk_rms_norm (Qwen3's q and k norms over the packed q/k/v output, one launch) ==
+    the two rms_norm launches, and one RoPE launch over its output == RoPE of q and of k."""
+    _interpret(CHILD_QK, "interpreted qk norm OK")

@@ -96,6 +96,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 import kernels
+from kernels import settings as kernel_settings
 
 from vllm_bridge.vllm_compat import aligned_attention_backend
 
@@ -543,6 +544,12 @@ class RZAlignedForCausalLM(nn.Module):
             # Qwen2: q and k are adjacent column blocks of y, rotated as one strided
             # [T, Hq + Hkv, D] view in one launch (RoPE is elementwise: the two calls' bits)
             qk = kernels.apply_rope(y[:, :nq + nk].view(T, c.num_heads + c.num_kv_heads, D), cos, sin, "neox")
+            return qk[:, :c.num_heads], qk[:, c.num_heads:], v
+        if kernel_settings.qk_one_launch():
+            # both norms in one launch over the q and k heads, then one RoPE launch (the four calls' bits)
+            qk = kernels.qk_rms_norm(y[:, :nq + nk].view(T, c.num_heads + c.num_kv_heads, D), a.q_norm.weight,
+                                     a.k_norm.weight, c.num_heads, c.rms_norm_eps)
+            qk = kernels.apply_rope(qk, cos, sin, "neox")
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         q = kernels.rms_norm(y[:, :nq].reshape(T, c.num_heads, D), a.q_norm.weight, c.rms_norm_eps)
         k = kernels.rms_norm(y[:, nq:nq + nk].reshape(T, c.num_kv_heads, D), a.k_norm.weight, c.rms_norm_eps)
