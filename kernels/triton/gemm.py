@@ -364,7 +364,7 @@ def _reduce_segments_kernel(ws_ptr, out_ptr, bias_ptr, MN, N, stride_s,
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, NUM_SEGS):
+    for s in tl.static_range(0, NUM_SEGS):  # unrolled: the loads in flight together, the adds in order
         total = total + tl.load(ws_ptr + s * stride_s + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         total = total + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
