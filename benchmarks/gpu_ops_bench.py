@@ -140,7 +140,7 @@ def bench_moe(args):
 
     bench_graph, _ = _bg()
     rows = []
-    narrow0 = settings.moe_narrow_tiles()
+    narrow0, direct0 = settings.moe_narrow_tiles(), settings.moe_direct_rows()
     for name, H, I, E, k in (("1B-config layer", 1024, 512, 32, 4), ("moe1b layer", 1024, 768, 32, 4),
                              ("Qwen3-30B-A3B layer", 2048, 768, 128, 8)):
         n = 2
@@ -154,12 +154,14 @@ def bench_moe(args):
             settings.set_moe_narrow_tiles(False)
             ta = bench_graph(lambda i: (lambda: moe_experts_merged(x, wgu[i], wd[i], ids, w)), n, iters=8)
             y0 = moe_experts_merged(x, wgu[0], wd[0], ids, w)
-            # the narrow small-batch plan (settings.set_moe_narrow_tiles): its time and whether its
-            # output is the default plan's, bit for bit
+            # the small-batch plans (settings.set_moe_narrow_tiles, set_moe_direct_rows): their time
+            # and whether their output is the default plan's, bit for bit
             settings.set_moe_narrow_tiles(True)
+            settings.set_moe_direct_rows(True)  # (taken only while 2 * T * k <= E)
             tn = bench_graph(lambda i: (lambda: moe_experts_merged(x, wgu[i], wd[i], ids, w)), n, iters=8)
             same = bool(torch.equal(moe_experts_merged(x, wgu[0], wd[0], ids, w), y0))
             settings.set_moe_narrow_tiles(narrow0)
+            settings.set_moe_direct_rows(direct0)
             _row(rows, f"moe {name} H={H} I={I} E={E} k={k} T={T}", tb, ta, H=H, I=I, E=E, k=k, T=T,
                  baseline="torch._grouped_mm + silu + combine", narrow_us=tn * 1e3, narrow_bitwise=same)
             print(f"{'':<58} narrow {tn * 1e3:9.1f} us  (default / narrow {ta / tn:5.2f}, bitwise {same})",

@@ -401,8 +401,10 @@ ENGINE_KINDS = {
     "aligned_narrow": (True, {"RZ_MOE_NARROW_TILES": "1"}),
     # ... with Qwen3's q/k norms in one launch and their RoPE in one (kernels.settings.set_qk_one_launch)
     "aligned_qk1": (True, {"RZ_QK_ONE_LAUNCH": "1"}),
-    # ... with both small-batch plans
-    "aligned_small": (True, {"RZ_MOE_NARROW_TILES": "1", "RZ_QK_ONE_LAUNCH": "1"}),
+    # ... with a few rows' routed experts computed without a work list (set_moe_direct_rows)
+    "aligned_direct": (True, {"RZ_MOE_DIRECT_ROWS": "1"}),
+    # ... with all three small-batch plans
+    "aligned_small": (True, {"RZ_MOE_NARROW_TILES": "1", "RZ_MOE_DIRECT_ROWS": "1", "RZ_QK_ONE_LAUNCH": "1"}),
     # the aligned class on vLLM's V2 GPU model runner (stock's default for dense models, and so the
     # aligned engine's for them: vllm_bridge.engine.aligned_model_runner; the sampler patch's V2 half,
     # vllm_bridge.sampler_patch.apply_v2), and on the V1 runner (the aligned default before)
@@ -674,6 +676,7 @@ def profile(ckpt: str, out: str, cells: list[tuple[int, int, int]], kind: str = 
     settings.set_decode_rows(int(os.environ.get("RZ_DECODE_ROWS", "64")))
     settings.set_moe_narrow_tiles(os.environ.get("RZ_MOE_NARROW_TILES", "0") == "1")
     settings.set_qk_one_launch(os.environ.get("RZ_QK_ONE_LAUNCH", "0") == "1")
+    settings.set_moe_direct_rows(os.environ.get("RZ_MOE_DIRECT_ROWS", "0") == "1")
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     # max_len: the engine's max_model_len, which sets the block table's width and so the split-KV
     # decode plan; give the bench grid's (--max-len 3088 for DEFAULT_CELLS) to profile what it runs

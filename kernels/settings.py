@@ -14,7 +14,8 @@ the sampled token's logprob and the finiteness flag) or the unfused plans. ``RZ_
 (``64`` | ``16``, default 64): rows per split-KV decode program (see set_decode_rows).
 ``RZ_DECODE_FUSED_MERGE`` (``0`` | ``1``, default 0): the split-KV decode's chunk states folded by the
 last program of each (sequence, KV head) instead of a second kernel (see set_decode_fused_merge).
-``RZ_QK_ONE_LAUNCH`` (``0`` | ``1``, default 0): the aligned engine's Qwen3 q/k norms in one launch and
+``RZ_MOE_DIRECT_ROWS`` (``0`` | ``1``, default 0): the routed experts of a few rows
+without a work list (see set_moe_direct_rows). ``RZ_QK_ONE_LAUNCH`` (``0`` | ``1``, default 0): the aligned engine's Qwen3 q/k norms in one launch and
 their RoPE in one (see set_qk_one_launch). ``RZ_MOE_NARROW_TILES`` (``0`` | ``1``, default 0): narrower output tiles for the grouped MoE GEMMs of
 small batches, so that more programs stream the few active experts' weights (see set_moe_narrow_tiles).
 """
@@ -36,6 +37,7 @@ _gemm_table = os.environ.get("RZ_GEMM_TABLE", "auto") or "auto"
 _decode_fused_merge = os.environ.get("RZ_DECODE_FUSED_MERGE", "0") == "1"  # opt-in: see set_decode_fused_merge
 _moe_narrow_tiles = os.environ.get("RZ_MOE_NARROW_TILES", "0") == "1"  # opt-in: see set_moe_narrow_tiles
 _qk_one_launch = os.environ.get("RZ_QK_ONE_LAUNCH", "0") == "1"  # opt-in: see set_qk_one_launch
+_moe_direct_rows = os.environ.get("RZ_MOE_DIRECT_ROWS", "0") == "1"  # opt-in: see set_moe_direct_rows
 
 
 def set_backend(name: str) -> None:
@@ -135,6 +137,21 @@ def set_moe_narrow_tiles(on: bool) -> None:
 
 def moe_narrow_tiles() -> bool:
     return _moe_narrow_tiles
+
+
+def set_moe_direct_rows(on: bool) -> None:
+    """Routed experts of a few (token, slot) rows (``2 * rows <= experts``: batch <= 4 at top-4 of 32
+    experts): each row its own program row in flat order, expert read from the router's ids, no work
+    list, in place of the one-program work-list kernel (5.7 us a layer at batch 1 on an H100, on the
+    critical path before both grouped GEMMs). Every row is the same dot chain in a 16-row tile, as in
+    the sorted plan; a launch plan only, opt-in (``RZ_MOE_DIRECT_ROWS=1``) until ``tests/gpu`` has
+    compared it on the machine."""
+    global _moe_direct_rows
+    _moe_direct_rows = bool(on)
+
+
+def moe_direct_rows() -> bool:
+    return _moe_direct_rows
 
 
 def set_qk_one_launch(on: bool) -> None:

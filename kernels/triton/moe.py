@@ -45,7 +45,7 @@ if _USE_LIBDEVICE:
 _LIBDEVICE = tl.constexpr(_USE_LIBDEVICE)
 
 __all__ = ["moe_experts", "moe_experts_merged", "grouped_linear", "swiglu", "moe_combine", "expert_mlp",
-           "make_work_list", "work_list", "work_list_fused", "grouped_tile_n"]
+           "make_work_list", "work_list", "work_list_fused", "grouped_tile_n", "direct_rows"]
 
 
 @triton.jit
@@ -107,24 +107,33 @@ def _chain(a_ptr, arow, mask_m, w_base, rn, mask_n, K, SEG_LEN, stride_ak, strid
 @triton.jit
 def _grouped_kernel(a_ptr, a_rows_ptr, w_ptr, w2_ptr, out_ptr, out_rows_ptr, tile_expert_ptr, tile_start_ptr,
                     expert_end_ptr, N, K, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                    stride_om, stride_on, SEG_LEN,
+                    stride_om, stride_on, SEG_LEN, ROW_DIV,
                     NUM_SEGS: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
                     SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, DIRECT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m)
-    if e < 0:
-        return
-    row0 = tl.load(tile_start_ptr + pid_m)
-    row_end = tl.load(expert_end_ptr + e)
-    rm = row0 + tl.arange(0, BLOCK_M)
-    mask_m = rm < row_end
-    if GATHER_A:
-        src = tl.load(a_rows_ptr + rm, mask=mask_m, other=0)
+    if DIRECT:
+        # one (token, slot) row per program, in flat order: tile_expert_ptr is the flat expert ids,
+        # the input row is row // ROW_DIV (the token for gate/up, the row itself for down), the
+        # output row the row itself; no work list (the tile's other rows are masked)
+        e = tl.load(tile_expert_ptr + pid_m).to(tl.int32)
+        rm = pid_m + tl.arange(0, BLOCK_M)
+        mask_m = rm < pid_m + 1
+        src = rm // ROW_DIV
     else:
-        src = rm
+        e = tl.load(tile_expert_ptr + pid_m)
+        if e < 0:
+            return
+        row0 = tl.load(tile_start_ptr + pid_m)
+        row_end = tl.load(expert_end_ptr + e)
+        rm = row0 + tl.arange(0, BLOCK_M)
+        mask_m = rm < row_end
+        if GATHER_A:
+            src = tl.load(a_rows_ptr + rm, mask=mask_m, other=0)
+        else:
+            src = rm
     arow = src.to(tl.int64) * stride_am
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
@@ -141,7 +150,7 @@ def _grouped_kernel(a_ptr, a_rows_ptr, w_ptr, w2_ptr, out_ptr, out_rows_ptr, til
         res = _silu_mul(g, u).to(odt)
     else:
         res = acc.to(odt)
-    if SCATTER_OUT:
+    if SCATTER_OUT and not DIRECT:
         dst = tl.load(out_rows_ptr + rm, mask=mask_m, other=0)
     else:
         dst = rm
@@ -318,8 +327,24 @@ def grouped_tile_n(rows: int, n_experts: int, N: int, block_m: int, swiglu: bool
     return block_n, warps
 
 
-def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, block_m, rows):
-    tile_expert, tile_start, expert_end = work[-3:]
+def direct_rows(rows: int, n_experts: int, on: Optional[bool] = None) -> bool:
+    """Whether :func:`moe_experts` runs ``rows`` (token, slot) rows without a work list, one program
+    row each (``settings.moe_direct_rows()``, or ``on``): only while ``2 * rows <= n_experts``, where
+    few experts receive two rows (each row streams its expert's weights itself). Same chains, so a
+    launch plan only; host sizes only."""
+    use = settings.moe_direct_rows() if on is None else on
+    return bool(use) and 0 < 2 * int(rows) <= int(n_experts)
+
+
+def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, block_m, rows, *,
+                    direct_ids=None, row_div=1):
+    """One grouped GEMM launch over a work list (``work``), or with ``direct_ids`` (the flat expert
+    ids of ``rows`` (token, slot) rows) one program row per (token, slot) row in flat order, input
+    row ``row // row_div``, no work list."""
+    if direct_ids is not None:
+        tile_expert = tile_start = expert_end = direct_ids
+    else:
+        tile_expert, tile_start, expert_end = work[-3:]
     if K % nseg:
         raise ValueError(f"grouped GEMM: K={K} not divisible into {nseg} segments")
     seg_len = K // nseg
@@ -336,15 +361,15 @@ def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, b
         while block_k * 2 <= bk_max and seg_len % (block_k * 2) == 0:
             block_k *= 2
     even_k = seg_len % block_k == 0
-    grid = (tile_expert.numel(), triton.cdiv(N, block_n))
+    grid = (rows if direct_ids is not None else tile_expert.numel(), triton.cdiv(N, block_n))
     _grouped_kernel[grid](
         a, a_rows if a_rows is not None else tile_start, w, w2 if w2 is not None else w, out,
         out_rows if out_rows is not None else tile_start, tile_expert, tile_start, expert_end,
         N, K, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1), seg_len,
+        out.stride(0), out.stride(1), seg_len, int(row_div),
         NUM_SEGS=nseg, GATHER_A=a_rows is not None, SCATTER_OUT=out_rows is not None, SWIGLU=swiglu,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even_k, NUM_STAGES=3,
-        IEEE=a.dtype == torch.float32, num_warps=num_warps)
+        IEEE=a.dtype == torch.float32, DIRECT=direct_ids is not None, num_warps=num_warps)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, *, k_segments: int = 1,
@@ -458,9 +483,17 @@ def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_dow
     if T == 0:
         return torch.empty(0, H, device=x.device, dtype=x.dtype)
     bm = _block_m(R, E)
+    act = torch.empty(R, I, device=x.device, dtype=x.dtype)
+    if direct_rows(R, E):
+        # a few rows over many experts: each (token, slot) row its own program, no work list
+        ids = topk_ids.reshape(-1)
+        ids = ids if ids.is_contiguous() else ids.contiguous()
+        _launch_grouped(x, None, w_gate, w_up, act, None, None, I, H, 1, True, bm, R, direct_ids=ids, row_div=k)
+        _launch_grouped(act, None, w_down, None, y, None, None, H, I, int(k_segments_down), False, bm, R,
+                        direct_ids=ids)
+        return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
     work = work_list(topk_ids.reshape(-1), E, bm, top_k=k)
     order, tok = work[0], work[1]
-    act = torch.empty(R, I, device=x.device, dtype=x.dtype)
     _launch_grouped(x, tok, w_gate, w_up, act, None, work, I, H, 1, True, bm, R)
     _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm, R)
     return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)

@@ -359,7 +359,7 @@ def test_aligned_cuda_engine_bitwise_on_the_v2_runner(moe_ckpt, tmp_path, monkey
 
 def test_aligned_cuda_engine_bitwise_with_the_small_batch_plans(moe_ckpt, tmp_path, monkeypatch):
     """The same with the opt-in small-batch launch plans on (``RZ_MOE_NARROW_TILES``: narrow grouped
-    MoE tiles; ``RZ_QK_ONE_LAUNCH``: Qwen3's q/k norms in one launch, their RoPE in one): still batch
+    MoE tiles; ``RZ_MOE_DIRECT_ROWS``: a few rows' experts without a work list; ``RZ_QK_ONE_LAUNCH``: Qwen3's q/k norms in one launch, their RoPE in one): still batch
     invariant, decode == prefill and equal to the learner's kernels, which run the default plans.
     This is the measurement that decides whether the plans may become the defaults."""
     import benchmarks.rollout_gpu as rg
@@ -367,15 +367,18 @@ def test_aligned_cuda_engine_bitwise_with_the_small_batch_plans(moe_ckpt, tmp_pa
     from kernels import settings
 
     monkeypatch.setenv("RZ_MOE_NARROW_TILES", "1")  # the engine's processes read these at start
+    monkeypatch.setenv("RZ_MOE_DIRECT_ROWS", "1")
     monkeypatch.setenv("RZ_QK_ONE_LAUNCH", "1")
-    before = settings.moe_narrow_tiles(), settings.qk_one_launch()
+    before = settings.moe_narrow_tiles(), settings.moe_direct_rows(), settings.qk_one_launch()
     settings.set_moe_narrow_tiles(False)  # this process (the learner side): the default plans
+    settings.set_moe_direct_rows(False)
     settings.set_qk_one_launch(False)
     try:
         r = rg.check(moe_ckpt, str(tmp_path / "check.json"), which=("aligned",))["engines"]["aligned"]
     finally:
         settings.set_moe_narrow_tiles(before[0])
-        settings.set_qk_one_launch(before[1])
+        settings.set_moe_direct_rows(before[1])
+        settings.set_qk_one_launch(before[2])
     assert r["batch_invariance_equal"] == "8/8", r
     n = 16 * 64
     assert r["decode_eq_prefill_tokens"] == f"{n}/{n}", r

@@ -239,8 +239,9 @@ def test_moe_grouped_equals_dense_per_token(case):
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_moe_narrow_tiles_give_the_default_plans_bits(case):
-    """The narrow grouped-GEMM plan of small batches (kernels.settings.set_moe_narrow_tiles: 32- or
-    16-column tiles, one warp per 16 columns) against the default 64-column plan, bitwise, for every
+    """The small-batch grouped-GEMM plans (kernels.settings.set_moe_narrow_tiles: 32- or 16-column
+    tiles, one warp per 16 columns; set_moe_direct_rows: one program row per (token, slot) row, no
+    work list), each and together, against the default plan, bitwise, for every
     batch of 1..40 tokens and 64, also through the segmented down_proj and grouped_linear; and a
     token alone under the narrow plan equals the token inside the default plan's 512-row batch."""
     _need_cuda()
@@ -249,20 +250,28 @@ def test_moe_narrow_tiles_give_the_default_plans_bits(case):
 
     c = MOE_CASES[case]
     x, wgu, wd, ids, w, sh = _moe_setup(c)
-    before = settings.moe_narrow_tiles()
+    before = settings.moe_narrow_tiles(), settings.moe_direct_rows()
+    plans = [(False, False), (True, False), (False, True), (True, True)]  # (narrow tiles, direct rows)
     try:
         outs = {}
-        for narrow in (False, True):
+        for narrow, direct in plans:
             settings.set_moe_narrow_tiles(narrow)
-            outs[narrow] = [moe.moe_experts_merged(x[:T], wgu, wd, ids[:T], w[:T]) for T in list(range(1, 41)) + [64]]
-            outs[narrow].append(moe.grouped_linear(x[:3], wgu[:, :c["I"]].contiguous(), ids[:3, 0], k_segments=8))
+            settings.set_moe_direct_rows(direct)
+            outs[narrow, direct] = [moe.moe_experts_merged(x[:T], wgu, wd, ids[:T], w[:T])
+                                    for T in list(range(1, 41)) + [64]]
+            outs[narrow, direct].append(moe.grouped_linear(x[:3], wgu[:, :c["I"]].contiguous(), ids[:3, 0],
+                                                           k_segments=8))
         settings.set_moe_narrow_tiles(False)
+        settings.set_moe_direct_rows(False)
         full = moe.moe_experts_merged(x, wgu, wd, ids, w)
     finally:
-        settings.set_moe_narrow_tiles(before)
-    for i, (a, b) in enumerate(zip(outs[False], outs[True])):
-        assert torch.equal(a, b), f"output {i}"
-    assert torch.equal(outs[True][0], full[:1])
+        settings.set_moe_narrow_tiles(before[0])
+        settings.set_moe_direct_rows(before[1])
+    for plan in plans[1:]:
+        for i, (a, b) in enumerate(zip(outs[plans[0]], outs[plan])):
+            assert torch.equal(a, b), f"plan {plan}, output {i}"
+    assert torch.equal(outs[True, True][0], full[:1])
+    assert moe.direct_rows(1 * c["k"], c["E"], on=True)  # batch 1 did take the direct plan
     assert moe.grouped_tile_n(1 * c["k"], c["E"], c["I"], 16, True, 132, narrow=True)[0] < 64  # the plan did narrow
 
 

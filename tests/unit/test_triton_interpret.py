@@ -706,19 +706,26 @@ from kernels import settings
 from kernels.triton import moe as M
 
 torch.manual_seed(5)
-H, I, E, k = 64, 48, 8, 2  # N = 48 (gate/up) and 64 (down): a 32- or 16-wide tile masks the last one
+H, I, E, k = 64, 48, 16, 2  # N = 48 (gate/up) and 64 (down): a 32- or 16-wide tile masks the last one
 wgu = torch.randn(E, 2 * I, H) * H ** -0.5
 wd = torch.randn(E, H, I) * I ** -0.5
-for T in (1, 3, 8):
+plans = [(False, False), (True, False), (False, True), (True, True)]  # (narrow tiles, direct rows)
+for T in (1, 3, 4, 5, 8):
     x = torch.randn(T, H)
     w, ids = torch.randn(T, E).softmax(-1).topk(k, -1)
+    if T == 3:
+        ids[1] = ids[0]  # two tokens with the same experts: a direct-rows expert with two rows
     outs = {}
-    for narrow in (False, True):
+    for narrow, direct in plans:
         settings.set_moe_narrow_tiles(narrow)
-        outs[narrow] = (M.moe_experts_merged(x, wgu, wd, ids, w, k_segments_down=4),
-                        M.grouped_linear(x, wgu[:, :I], ids[:, 0]))
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b), T
+        settings.set_moe_direct_rows(direct)
+        outs[narrow, direct] = (M.moe_experts_merged(x, wgu, wd, ids, w, k_segments_down=4),
+                                M.grouped_linear(x, wgu[:, :I], ids[:, 0]))
+    assert M.direct_rows(T * k, E, on=True) == (T <= 4)
+    for plan in plans[1:]:
+        for a, b in zip(outs[plans[0]], outs[plan]):
+            assert torch.equal(a, b), (T, plan)
+    outs = {False: outs[plans[0]], True: outs[plans[3]]}
     ref = torch.stack([torch.nn.functional.silu(x[t] @ wgu[e, :I].T) * (x[t] @ wgu[e, I:].T) for t in range(T)
                        for e in ids[t].tolist()]).view(T, k, I)
     full = torch.stack([sum(w[t, j] * (ref[t, j] @ wd[ids[t, j]].T) for j in range(k)) for t in range(T)])
@@ -734,8 +741,10 @@ print("interpreted narrow MoE tiles OK")
 
 
 def test_moe_narrow_tiles_equal_the_default_plan_in_the_interpreter():
-    """Grouped MoE GEMMs with narrow output tiles (settings.set_moe_narrow_tiles) == the default plan,
-    masks of a last partial tile included, and close to a float reference; and the host picks."""
+    """Grouped MoE GEMMs with narrow output tiles (settings.set_moe_narrow_tiles) and without a work
+    list for a few rows (set_moe_direct_rows), each and both == the default plan, masks of a last
+    partial tile and an expert holding two rows included, and close to a float reference; and the
+    host picks."""
     _interpret(CHILD_NARROW, "interpreted narrow MoE tiles OK")
 
 
