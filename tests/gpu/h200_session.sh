@@ -5,6 +5,9 @@
 #
 #   bash tests/gpu/h200_session.sh STAGE [STAGE ...]     results under $OUT/<stage>/
 #
+# A call returns at most 8 files of $OUT: with more, each stage's folder is packed into $OUT/<stage>.tgz
+# at the end (PACK_OUT=0: leave them), and if that is still more than 8 files, all of $OUT into out.tgz.
+#
 # Stages:
 #   te     Transformer Engine for the fast learner: tests/gpu/te_install.sh install (its parts stashed by the
 #          call that carried them: `bash tests/gpu/te_install.sh stash .gpu_stage/te_c1`), then the import
@@ -260,4 +263,29 @@ PYEOF
   log "stage $st done in $((SECONDS - t0)) s"
 }
 
-for st in "$@"; do run_stage "$st"; done
+pack_out() {
+  # a call to the GPU machine brings back at most 8 files of $OUT (the rest are left out): past that,
+  # each stage's folder travels as one archive, or all of $OUT as one if that would still be too many
+  local n folders top
+  n=$(find "$OUT" -type f | wc -l)
+  [ "$n" -le 8 ] && return 0
+  folders=$(find "$OUT" -mindepth 1 -maxdepth 1 -type d | wc -l)
+  top=$(find "$OUT" -mindepth 1 -maxdepth 1 -type f | wc -l)
+  if [ $((folders + top)) -le 8 ]; then
+    local d b
+    for d in "$OUT"/*/; do
+      b=$(basename "$d")
+      tar -czf "$OUT/$b.tgz" -C "$OUT" "$b" && rm -rf "${OUT:?}/$b"
+    done
+  else
+    local all
+    all=$(mktemp "${TMPDIR:-/tmp}/rz_out.XXXXXX")
+    tar -czf "$all" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$all" "$OUT/out.tgz"
+  fi
+  log "packed $n files of \$OUT into $(find "$OUT" -type f | wc -l) (a call returns at most 8 files)"
+}
+
+rc=0
+for st in "$@"; do run_stage "$st"; rc=$?; done
+if [ "${PACK_OUT:-1}" = 1 ]; then pack_out; fi
+exit $rc
