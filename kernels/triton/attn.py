@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .. import settings
+from . import gpu_info
 
 __all__ = ["attention", "attention_batched", "paged_attention", "paged_kv_write", "decode_splits", "decode_tile",
            "BLOCK_N", "BLOCK_M", "KV_CHUNK"]
@@ -456,7 +457,6 @@ def _paged_merge_kernel(wm_ptr, wl_ptr, wacc_ptr, cu_ptr, seqlen_ptr, o_ptr, Hq,
 SPLIT_PROGRAMS_PER_SM = 8
 # and never more than this much fp32 chunk-state workspace (else the one-pass kernel)
 SPLIT_WORKSPACE_BYTES = 256 << 20
-_SM_COUNT: dict = {}
 # fused merge: one int32 check-in counter per (sequence, KV head) of a launch, zero between launches
 # (the last program of each resets its own), one buffer per device. Launches on one device must not
 # overlap (the engine's forward runs on one stream); batches needing more counters use the merge kernel.
@@ -474,13 +474,6 @@ def _merge_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     if buf is None:
         buf = _COUNTERS[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
     return buf
-
-
-def _sm_count(device: torch.device) -> int:
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_chunks: int, sm_count: int, rows: int = BLOCK_M) -> int:
@@ -556,7 +549,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             tile, warps = BLOCK_M, NUM_WARPS
         if splits is None:
             on = fits and q.is_cuda and settings.decode_split()
-            splits = decode_splits(B, Hkv, nc, _sm_count(q.device), tile) if on else 1
+            splits = decode_splits(B, Hkv, nc, gpu_info.sm_count(q.device), tile) if on else 1
         if splits > 1 or tile < BLOCK_M:
             wm = torch.empty(B * Hq, nc, device=q.device, dtype=torch.float32)
             wl = torch.empty_like(wm)

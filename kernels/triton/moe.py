@@ -28,7 +28,6 @@ separate GEMMs, rows gathered from x by token id); (2) down grouped GEMM writing
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Sequence, Union
 
@@ -38,6 +37,7 @@ import triton.language as tl
 
 from .. import settings
 from ..gemm import ROW_PARALLEL_K_SEGMENTS
+from . import gpu_info
 
 _USE_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 if _USE_LIBDEVICE:
@@ -300,11 +300,6 @@ def make_work_list(flat_ids: torch.Tensor, n_experts: int, block_m: int):
             expert_end.to(torch.int32).contiguous())
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def grouped_tile_n(rows: int, n_experts: int, N: int, block_m: int, swiglu: bool, sm_count: int,
                    narrow: Optional[bool] = None) -> tuple[int, int]:
     """(output columns per program, warps) of a grouped GEMM launch over ``rows`` (token, slot) rows.
@@ -348,8 +343,7 @@ def _launch_grouped(a, a_rows, w, w2, out, out_rows, work, N, K, nseg, swiglu, b
     if K % nseg:
         raise ValueError(f"grouped GEMM: K={K} not divisible into {nseg} segments")
     seg_len = K // nseg
-    sms = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
-        if a.is_cuda else 132
+    sms = gpu_info.sm_count(a.device) if a.is_cuda else 132  # (CPU tensors: Triton's interpreter; an H100's count)
     block_n, num_warps = grouped_tile_n(rows, w.shape[0], N, block_m, swiglu, sms)
     block_k = 128 if block_m <= 16 else 64
     if a.element_size() == 4:
