@@ -512,11 +512,13 @@ def bench_one(ckpt: str, out: str, kind: str, cells: list[tuple[int, int, int]],
 
 
 def _pooled(a: dict, b: dict) -> dict:
-    """One cell measured in two calls: every round of both, median and spread over all of them."""
+    """One cell measured in two engine processes (calls, or ``bench --processes``): every round of
+    both, median and spread over all of them; each process's own median kept, in run order."""
     rs = list(a["rounds_s"]) + list(b["rounds_s"])
     med = _median(rs)
+    per = list(a.get("process_medians_s", [a["median_s"]])) + [b["median_s"]]
     return {**a, "rounds_s": rs, "median_s": round(med, 4), "min_s": round(min(rs), 4), "max_s": round(max(rs), 4),
-            "tok_s": round(a["batch"] * a["new"] / med, 1)}
+            "tok_s": round(a["batch"] * a["new"] / med, 1), "process_medians_s": per}
 
 
 def compare(parts: list[dict]) -> dict:
@@ -528,7 +530,7 @@ def compare(parts: list[dict]) -> dict:
         cells = by.setdefault(p["engine"], {})
         for c in p["cells"]:
             k = (c["batch"], c["prompt"], c["new"], c["seeded"])
-            cells[k] = _pooled(cells[k], c) if k in cells else c
+            cells[k] = _pooled(cells[k], c) if k in cells else {**c, "process_medians_s": [c["median_s"]]}
     keys = sorted(set().union(*[set(v) for v in by.values()]))
     # aligned / every other engine, and every other aligned kind (aligned_v2, aligned_notable, ...)
     # / stock: what a user compares each engine with
@@ -540,10 +542,15 @@ def compare(parts: list[dict]) -> dict:
         for e, cells in by.items():
             if k in cells:
                 c = cells[k]
-                row[e] = {x: c[x] for x in ("median_s", "min_s", "max_s", "rounds_s", "tok_s")}
+                row[e] = {x: c[x] for x in ("median_s", "min_s", "max_s", "rounds_s", "tok_s", "process_medians_s")}
         for num, den in pairs:
             if num in row and den in row:
                 row[f"{num}_over_{den}"] = round(row[num]["median_s"] / row[den]["median_s"], 3)
+                # the same ratio per pair of processes (the i-th of each engine; bench --processes
+                # alternates the engines' order): how far one process pair alone could mislead
+                pn, pd = row[num]["process_medians_s"], row[den]["process_medians_s"]
+                if min(len(pn), len(pd)) > 1:
+                    row[f"{num}_over_{den}_per_process"] = [round(x / y, 3) for x, y in zip(pn, pd)]
         rows.append(row)
     summary = {}
     for num, den in pairs:
@@ -555,6 +562,9 @@ def compare(parts: list[dict]) -> dict:
             cell = lambda x: f"{x['batch']}x{x['prompt']}x{x['new']}{' seeded' if x['seeded'] else ''}"  # noqa: E731
             summary[name] = {"worst": worst[name], "worst_cell": cell(worst), "best": best[name],
                              "best_cell": cell(best), "cells": len(r)}
+            per = [v for x in r for v in x.get(f"{name}_per_process", [])]
+            if per:  # the spread of the ratio over process pairs, every cell
+                summary[name]["per_process_range"] = [min(per), max(per)]
     # the machine's own speed before and after each engine (machine_probe): a ratio is read only
     # where it stayed put
     from benchmarks.machine_probe import spread
@@ -583,14 +593,19 @@ def markdown(res: dict) -> str:
         cols = [f"{row['batch']} x {row['prompt']} x {row['new']}", "yes" if row["seeded"] else "no"]
         for e in engines:
             c = row.get(e)
-            cols.append(f"{c['median_s']:.3f} ({c['min_s']:.3f}-{c['max_s']:.3f}, n={len(c['rounds_s'])})" if c else "-")
-        cols += [f"{row[r]:.2f}" if r in row else "-" for r in ratios]
+            procs = len(c.get("process_medians_s", [])) if c else 0
+            cols.append(f"{c['median_s']:.3f} ({c['min_s']:.3f}-{c['max_s']:.3f}, n={len(c['rounds_s'])}"
+                        f"{f', {procs} processes' if procs > 1 else ''})" if c else "-")
+        cols += [(f"{row[r]:.2f}" + (" ({:.2f}-{:.2f})".format(min(row[r + '_per_process']), max(row[r + '_per_process']))
+                                      if r + "_per_process" in row else "")) if r in row else "-" for r in ratios]
         lines.append("| " + " | ".join(cols) + " |")
     lines.append("")
     for r in ratios:
         x = res["summary"][r]
+        spread = (f"; over process pairs {x['per_process_range'][0]:.2f}-{x['per_process_range'][1]:.2f}"
+                  if "per_process_range" in x else "")
         lines.append(f"- {r.replace('_over_', ' / ')}: worst {x['worst']:.2f} ({x['worst_cell']}), "
-                     f"best {x['best']:.2f} ({x['best_cell']}), {x['cells']} cells")
+                     f"best {x['best']:.2f} ({x['best_cell']}), {x['cells']} cells{spread}")
     return "\n".join(lines) + "\n"
 
 
@@ -607,22 +622,43 @@ def bench_one_command(kind: str, ckpt: str, part: str, cells: list[tuple[int, in
     return cmd
 
 
+def part_path(base: str, kind: str, process: int) -> str:
+    """Where ``bench`` writes one engine process's result: ``BASE.KIND.json`` for an engine's first
+    process, ``BASE.KIND.pN.json`` for its N-th repeat (``--processes``)."""
+    return f"{base}.{kind}.json" if process == 0 else f"{base}.{kind}.p{process}.json"
+
+
+def process_order(engines: tuple, processes: int) -> list[tuple[int, str]]:
+    """The order ``bench`` starts engine processes in: every engine once per repeat, the order
+    reversed on every other repeat (stock, aligned, aligned, stock, ...), so that a machine that
+    drifts during the call, or the slot after another engine's exit, weighs on every engine alike."""
+    return [(r, k) for r in range(processes) for k in (engines if r % 2 == 0 else tuple(reversed(engines)))]
+
+
 def bench(ckpt: str, out: str, cells: list[tuple[int, int, int]], rounds: int, mem_gb: float = 20,
-          engines: tuple = ("stock", "aligned"), seeded: tuple = (True,), budget_s: float = 0) -> dict:
+          engines: tuple = ("stock", "aligned"), seeded: tuple = (True,), budget_s: float = 0,
+          processes: int = 1) -> dict:
     """Each engine in its own fresh process, one after the other (never two engines on the GPU at
-    a time), then :func:`compare`. Writes ``out`` and each engine's part beside it. The engines
-    after the first one that ran time only the variants it finished (``--only``), so a budget or
-    a cut-off that stops the first engine early still leaves every finished cell with a ratio
-    instead of cells that only one engine has."""
+    a time), then :func:`compare`. Writes ``out`` and each engine process's part beside it. The
+    engines after the first one that ran time only the variants it finished (``--only``), so a
+    budget or a cut-off that stops the first engine early still leaves every finished cell with a
+    ratio instead of cells that only one engine has.
+
+    ``processes`` > 1 starts each engine that many times (:func:`process_order`): one engine process
+    can sit 5-10% off another of the same engine (measured on an H100: the same aligned engine at
+    1 x 64 x 128, 0.247 s in one process and 0.267 s in the next), so a ratio of a few percent needs
+    several processes per engine. Their rounds are pooled per cell (:func:`compare`), and the ratio
+    of each pair of processes is reported beside the pooled one."""
     import subprocess
 
     parts = []
     base = os.path.splitext(out)[0]
-    taken = [x for x in (f"{base}.{k}.json" for k in engines) if os.path.exists(x)]
+    order = process_order(tuple(engines), processes)
+    taken = [x for x in (part_path(base, k, r) for r, k in order) if os.path.exists(x)]
     if taken:  # the engines' parts of an earlier run (main checks --out itself) are never overwritten, nor read back
         raise SystemExit(f"rollout_gpu: {taken[0]} exists (an earlier run's results); give another --out")
-    for kind in engines:
-        part = f"{base}.{kind}.json"
+    for r, kind in order:
+        part = part_path(base, kind, r)
         env = {**os.environ, **ENGINE_KINDS[kind][1]}
         cmd = bench_one_command(kind, ckpt, part, cells, rounds, mem_gb, seeded, budget_s,
                                 finished_variants(parts[0]) if parts else None)
@@ -783,6 +819,9 @@ def main(argv=None) -> int:
                        help="per engine: cells forecast to end past this many seconds after its start are skipped")
         if name == "bench":
             c.add_argument("--engines", default="stock,aligned", help=f"comma list of {sorted(ENGINE_KINDS)}")
+            c.add_argument("--processes", type=int, default=1,
+                           help="start each engine this many times, the order reversed every other time; "
+                                "rounds pooled per cell, each process pair's ratio reported beside")
         else:
             c.add_argument("--engine", choices=sorted(ENGINE_KINDS), required=True)
             c.add_argument("--only", default=None,
@@ -839,8 +878,11 @@ def main(argv=None) -> int:
             if bad:
                 print(f"rollout_gpu: --engines {bad[0]!r} unknown; choose from {sorted(ENGINE_KINDS)}", file=sys.stderr)
                 return 2
+            if args.processes < 1:
+                print(f"rollout_gpu: --processes {args.processes} must be 1 or more", file=sys.stderr)
+                return 2
             bench(args.ckpt, args.out, cells, args.rounds, args.mem_gb, tuple(args.engines.split(",")), tuple(seeded),
-                  args.budget_s)
+                  args.budget_s, args.processes)
     return 0
 
 

@@ -128,9 +128,11 @@ def set_moe_narrow_tiles(on: bool) -> None:
     (``min(rows, experts)``) fill about two programs per SM. At batch 1 (top-4 of 32 experts, N 768)
     the default plan runs 48 working programs on 132 SMs, and the profile of 1 x 64 x 128 on an H100
     put the grouped GEMM at 14.8 us a launch against 6.8 us for vLLM's fused_moe. A tile's columns
-    are independent dot chains over the same K steps, so the width is a launch plan only; but it
-    becomes one only once ``tests/gpu`` has compared it with the default plan on the machine
-    (``torch.equal``), hence opt-in (``RZ_MOE_NARROW_TILES=1``)."""
+    are independent dot chains over the same K steps, so the width is a launch plan only
+    (``tests/gpu`` compares every plan combination with the default plans, ``torch.equal``: passed
+    on an H100, 2026-12-07). Opt-in (``RZ_MOE_NARROW_TILES=1``) until it wins end to end: with
+    direct rows it made one Qwen3-30B-A3B MoE layer 1.74x faster at 1 token, but on the 1B MoE
+    engine its effect stayed below the process-to-process noise."""
     global _moe_narrow_tiles
     _moe_narrow_tiles = bool(on)
 
@@ -144,8 +146,8 @@ def set_moe_direct_rows(on: bool) -> None:
     experts): each row its own program row in flat order, expert read from the router's ids, no work
     list, in place of the one-program work-list kernel (5.7 us a layer at batch 1 on an H100, on the
     critical path before both grouped GEMMs). Every row is the same dot chain in a 16-row tile, as in
-    the sorted plan; a launch plan only, opt-in (``RZ_MOE_DIRECT_ROWS=1``) until ``tests/gpu`` has
-    compared it on the machine."""
+    the sorted plan; a launch plan only (bitwise the sorted plan in ``tests/gpu`` on an H100),
+    opt-in (``RZ_MOE_DIRECT_ROWS=1``) until it wins end to end (see set_moe_narrow_tiles)."""
     global _moe_direct_rows
     _moe_direct_rows = bool(on)
 
@@ -159,7 +161,8 @@ def set_qk_one_launch(on: bool) -> None:
     output's q and k heads in one launch (``kernels.qk_rms_norm``), then RoPE of q and k in one launch
     over the result (as Qwen2's path already does), instead of four launches per layer. Each row is
     the same row function with the same block and warps, each RoPE element its own formula, so a
-    launch plan only; opt-in (``RZ_QK_ONE_LAUNCH=1``) until ``tests/gpu`` and ``rz check`` have run it.
+    launch plan only (bitwise the two launches in ``tests/gpu`` on an H100); opt-in
+    (``RZ_QK_ONE_LAUNCH=1``) until it wins end to end (-3% to +2% on the 1B MoE engine, within noise).
     The H100 profile of 1 x 64 x 128 (moe1b) had the q/k norms and RoPE at ~1.2-1.7 us a launch, four
     launches a layer."""
     global _qk_one_launch

@@ -2,6 +2,7 @@
 bench: which variants each engine process is asked to time."""
 
 import json
+import os
 
 import pytest
 
@@ -139,3 +140,63 @@ def test_bench_and_bench_one_never_overwrite_an_earlier_run(tmp_path, monkeypatc
     rc = rg.main(["bench-one", "--engine", "aligned", "--ckpt", "ck", "--out", str(tmp_path / "o.json"),
                   "--cells", "1x64x128"])
     assert rc == 2 and "already holds results" in capsys.readouterr().err and (tmp_path / "o.json").read_text() == "{}"
+
+
+def test_process_order_alternates_the_engines_every_repeat():
+    from benchmarks.rollout_gpu import process_order
+
+    assert process_order(("stock", "aligned"), 1) == [(0, "stock"), (0, "aligned")]
+    assert process_order(("stock", "aligned", "aligned_small"), 3) == [
+        (0, "stock"), (0, "aligned"), (0, "aligned_small"),
+        (1, "aligned_small"), (1, "aligned"), (1, "stock"),
+        (2, "stock"), (2, "aligned"), (2, "aligned_small")]
+
+
+def test_bench_with_several_processes_pools_them_and_reports_each_pairs_ratio(tmp_path, monkeypatch):
+    """Two processes per engine, the second pair in the reverse order: every process writes its own
+    part (none overwritten), the pooled median is over all rounds, and the ratio of each process pair
+    sits beside the pooled ratio, in the row, the summary and the markdown."""
+    import subprocess
+
+    import benchmarks.rollout_gpu as rg
+
+    calls = []
+    # seconds per process, in start order: stock 1.0, aligned 1.2, then aligned 1.0, stock 1.0
+    medians = iter([1.0, 1.2, 1.0, 1.0])
+
+    def engine_process(cmd, env=None):
+        kind, out, only = _arg(cmd, "--engine"), _arg(cmd, "--out"), _arg(cmd, "--only")
+        calls.append((kind, os.path.basename(out), only))
+        m = next(medians)
+        part = {"engine": kind, "startup_s": 1.0, "env": {}, "probes": [], "skipped": [],
+                "cells": [{"batch": 1, "prompt": 64, "new": 128, "seeded": True, "rounds_s": [m, m], "median_s": m,
+                           "min_s": m, "max_s": m, "tok_s": 128 / m}]}
+        json.dump(part, open(out, "w"))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", engine_process)
+    res = rg.bench("ckpt", str(tmp_path / "b.json"), [A], 5, engines=("stock", "aligned"), processes=2)
+    assert calls == [("stock", "b.stock.json", None), ("aligned", "b.aligned.json", "1x64x128/on"),
+                     ("aligned", "b.aligned.p1.json", "1x64x128/on"), ("stock", "b.stock.p1.json", "1x64x128/on")]
+    row = res["cells"][0]
+    assert row["stock"]["process_medians_s"] == [1.0, 1.0] and row["aligned"]["process_medians_s"] == [1.2, 1.0]
+    assert row["aligned"]["rounds_s"] == [1.2, 1.2, 1.0, 1.0] and row["aligned_over_stock"] == 1.1
+    assert row["aligned_over_stock_per_process"] == [1.2, 1.0]
+    assert res["summary"]["aligned_over_stock"]["per_process_range"] == [1.0, 1.2]
+    md = rg.markdown(res)
+    assert "1.100 (1.000-1.200, n=4, 2 processes)" in md and "| 1.10 (1.00-1.20) |" in md
+    assert "over process pairs 1.00-1.20" in md
+    # a second run into the same folder finds the repeat's parts and starts nothing
+    (tmp_path / "b.json").unlink()
+    for p in ("b.stock.json", "b.aligned.json"):
+        (tmp_path / p).unlink()
+    with pytest.raises(SystemExit, match="b.aligned.p1.json exists"):
+        rg.bench("ckpt", str(tmp_path / "b.json"), [A], 5, engines=("stock", "aligned"), processes=2)
+    assert len(calls) == 4
+
+
+def test_bench_refuses_fewer_than_one_process(capsys, tmp_path):
+    from benchmarks.rollout_gpu import main
+
+    rc = main(["bench", "--ckpt", "ck", "--out", str(tmp_path / "o.json"), "--processes", "0"])
+    assert rc == 2 and "--processes 0 must be 1 or more" in capsys.readouterr().err
