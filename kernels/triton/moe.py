@@ -169,15 +169,32 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, N, sg, su, so, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _combine_weight(w_ptr, i, W_ROUND: tl.constexpr):
+    """Slot weight ``i`` in fp32: loaded in its own dtype and widened (exact); with ``W_ROUND`` 1 / 2
+    first rounded to bf16 / fp16 (round to nearest even, as ``torch.Tensor.to``). The bf16 rounding
+    is done on the fp32 bits (add 0x7FFF plus the kept lowest bit, clear the low 16 bits: torch's own
+    formula, NaN left as it is), so Triton's interpreter, which truncates an fp32 -> bf16 cast,
+    computes the GPU's bits."""
+    w = tl.load(w_ptr + i).to(tl.float32)
+    if W_ROUND == 1:
+        b = w.to(tl.uint32, bitcast=True)
+        b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+        w = tl.where(w == w, b.to(tl.float32, bitcast=True), w)
+    elif W_ROUND == 2:
+        w = w.to(tl.float16).to(tl.float32)
+    return w
+
+
+@triton.jit
 def _combine_kernel(y_ptr, w_ptr, shared_ptr, out_ptr, H, stride_y, stride_s, stride_o,
-                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, W_ROUND: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H
-    w0 = tl.load(w_ptr + t * TOP_K).to(tl.float32)
+    w0 = _combine_weight(w_ptr, t * TOP_K, W_ROUND)
     acc = w0 * tl.load(y_ptr + (t * TOP_K) * stride_y + offs, mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOP_K):
-        wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        wj = _combine_weight(w_ptr, t * TOP_K + j, W_ROUND)
         acc = acc + wj * tl.load(y_ptr + (t * TOP_K + j) * stride_y + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_SHARED:
         acc = acc + tl.load(shared_ptr + t * stride_s + offs, mask=m, other=0.0).to(tl.float32)
@@ -389,17 +406,29 @@ def _as_list(shared_out) -> list:
     return [shared_out] if isinstance(shared_out, torch.Tensor) else list(shared_out)
 
 
+# weights_dtype of moe_combine -> the kernel's W_ROUND
+_W_ROUND = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
                 shared_out: Union[None, torch.Tensor, Sequence[torch.Tensor]] = None, *,
-                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``expert_out[T, k, H]`` x ``topk_weights[T, k]`` (+ shared) in fp32, slot order, rounded once."""
+                out_dtype: Optional[torch.dtype] = None, weights_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``expert_out[T, k, H]`` x ``topk_weights[T, k]`` (+ shared) in fp32, slot order, rounded once.
+
+    The weights are read in their own dtype and widened to fp32 in the kernel (no copy first).
+    ``weights_dtype`` (bf16 / fp16): the weights are first rounded to it in the kernel, the bits of
+    ``moe_combine(expert_out, topk_weights.to(weights_dtype), ...)`` without that conversion's launch
+    (Qwen3-MoE rounds its fp32 routing weights to the activations' dtype)."""
+    if weights_dtype not in _W_ROUND:
+        raise ValueError(f"moe_combine: weights_dtype {weights_dtype} is not one of bf16, fp16, fp32")
     T, k, H = expert_out.shape
     odt = out_dtype or expert_out.dtype
     shared = _as_list(shared_out)
     y = expert_out.reshape(T * k, H)
     if y.stride(-1) != 1:
         y = y.contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
+    w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    w_round = _W_ROUND[weights_dtype] if weights_dtype != w.dtype else 0
     # one shared tensor is fused; more are added afterwards in list order (fp32, then one rounding)
     fused = shared[0] if len(shared) == 1 else None
     if fused is not None and fused.stride(-1) != 1:
@@ -410,7 +439,7 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
         _combine_kernel[(T, triton.cdiv(H, block_h))](
             y, w, fused if fused is not None else y, out, H, y.stride(0),
             fused.stride(0) if fused is not None else 0, out.stride(0),
-            TOP_K=k, HAS_SHARED=fused is not None, BLOCK_H=block_h, num_warps=4,
+            TOP_K=k, HAS_SHARED=fused is not None, BLOCK_H=block_h, W_ROUND=w_round, num_warps=4,
             enable_fp_fusion=False)
     if len(shared) > 1:
         for s in shared:
@@ -450,20 +479,23 @@ def expert_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
 
 def moe_experts_merged(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, shared_out=None, *,
-                       k_segments_down: int = ROW_PARALLEL_K_SEGMENTS) -> torch.Tensor:
+                       k_segments_down: int = ROW_PARALLEL_K_SEGMENTS,
+                       weights_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Same as :func:`moe_experts` with a merged ``w_gate_up[E, 2I, H]`` (gate rows first)."""
     I = w_gate_up.shape[1] // 2
     return moe_experts(x, w_gate_up[:, :I], w_gate_up[:, I:], w_down, topk_ids, topk_weights, shared_out,
-                       k_segments_down=k_segments_down)
+                       k_segments_down=k_segments_down, weights_dtype=weights_dtype)
 
 
 def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_out=None, *,
-                k_segments_down: int = ROW_PARALLEL_K_SEGMENTS) -> torch.Tensor:
+                k_segments_down: int = ROW_PARALLEL_K_SEGMENTS,
+                weights_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Routed experts + fixed-order combine. ``x[T, H]``, ``w_gate/w_up[E, I, H]`` (may be strided
     views of one merged tensor, last dim contiguous, equal strides), ``w_down[E, H, I]``,
     ``topk_ids/topk_weights[T, k]``, ``shared_out``: already computed shared expert output(s) [T, H]
-    (use :func:`expert_mlp`). No autograd."""
+    (use :func:`expert_mlp`). ``weights_dtype``: the routing weights rounded to it first, in the
+    combine kernel (:func:`moe_combine`). No autograd."""
     T, H = x.shape
     E, I, _ = w_gate.shape
     k = topk_ids.shape[1]
@@ -485,12 +517,12 @@ def moe_experts(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_dow
         _launch_grouped(x, None, w_gate, w_up, act, None, None, I, H, 1, True, bm, R, direct_ids=ids, row_div=k)
         _launch_grouped(act, None, w_down, None, y, None, None, H, I, int(k_segments_down), False, bm, R,
                         direct_ids=ids)
-        return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
+        return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype, weights_dtype=weights_dtype)
     work = work_list(topk_ids.reshape(-1), E, bm, top_k=k)
     order, tok = work[0], work[1]
     _launch_grouped(x, tok, w_gate, w_up, act, None, work, I, H, 1, True, bm, R)
     _launch_grouped(act, None, w_down, None, y, order, work, H, I, int(k_segments_down), False, bm, R)
-    return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype)
+    return moe_combine(y.view(T, k, H), topk_weights, shared_out, out_dtype=x.dtype, weights_dtype=weights_dtype)
 
 
 def expert_rows(x: torch.Tensor, tok: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,

@@ -336,6 +336,31 @@ def test_swiglu_and_combine_vs_cpu():
     assert torch.equal(moe.moe_combine(y, w, [s, s]).cpu(), M.moe_combine(y.cpu(), w.cpu(), [s.cpu(), s.cpu()]))
 
 
+def test_combine_rounds_routing_weights_in_the_kernel_as_torch_does():
+    """moe_combine(..., weights_dtype=bf16 / fp16) == moe_combine of ``w.to(dtype)`` on the GPU, bit for
+    bit (the aligned engine's Qwen3-MoE path rounds its fp32 routing weights there, not in a launch of
+    its own); with k = 1 and unit outputs, the rounded weights themselves (ties, overflow to inf; subnormals
+    against torch's rounding read by the same kernel)."""
+    _need_cuda()
+    moe = _mod("moe")
+    v = torch.cat([torch.randn(3000, device="cuda", generator=_gen(30))
+                   * 10.0 ** torch.randint(-30, 30, (3000,), device="cuda", generator=_gen(31)).float(),
+                   1.0 + torch.arange(0, 2048, device="cuda").float() * 2.0 ** -9,
+                   torch.tensor([0.0, -0.0, 1e-40, -1e-41, 3.0e38, 3.39e38, float("inf")], device="cuda")])
+    ones = torch.ones(v.numel(), 1, 8, device="cuda")
+    for wd in (torch.bfloat16, torch.float16):
+        got = moe.moe_combine(ones, v[:, None], out_dtype=torch.float32, weights_dtype=wd)[:, 0]
+        # against torch's rounding read by the same kernel (whatever the GPU does with subnormals)
+        assert torch.equal(got, moe.moe_combine(ones, v[:, None].to(wd), out_dtype=torch.float32)[:, 0]), wd
+        normal = (v == 0) | (v.to(wd).float().abs() >= torch.finfo(wd).tiny)
+        assert torch.equal(got[normal], v.to(wd).float()[normal]), wd
+    y, s = _randn(64, 8, 384, seed=32), _randn(64, 384, seed=33)
+    w = torch.softmax(torch.randn(64, 8, device="cuda", generator=_gen(34)), -1)
+    for shared in (None, s):
+        assert torch.equal(moe.moe_combine(y, w, shared, weights_dtype=torch.bfloat16),
+                           moe.moe_combine(y, w.to(torch.bfloat16), shared))
+
+
 # ------------------------------------------------------------------------------------- attention
 
 

@@ -94,3 +94,19 @@ def test_grouped_moe_gemm_uses_one_mma_at_every_small_batch_plan(swiglu):
     assert len(found) == 1, found
     (only,) = found
     assert only == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, only
+
+
+def test_combine_rounds_the_weights_with_integer_ops_and_no_float_conversion():
+    """The combine kernel's bf16 rounding of the routing weights (``W_ROUND=1``) compiles for sm_90 to
+    integer adds and masks on the fp32 bits (the interpreter test checks them against torch's
+    rounding): no ``cvt`` to bf16, whose rounding the interpreter does not reproduce."""
+    from kernels.triton import moe
+
+    types = {"y_ptr": "*bf16", "w_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16"}
+    base = dict(TOP_K=4, HAS_SHARED=False, BLOCK_H=1024)
+    plain = _ptx(moe._combine_kernel, types, {**base, "W_ROUND": 0}, num_warps=4)
+    rounded = _ptx(moe._combine_kernel, types, {**base, "W_ROUND": 1}, num_warps=4)
+    assert "and.b32" in rounded and ("-65536" in rounded or "0xFFFF0000" in rounded.upper() or "4294901760" in rounded)
+    # the only fp32 -> bf16 conversions are the output's store, as without the rounding
+    assert len(re.findall(r"cvt\.rn\.bf16", rounded)) == len(re.findall(r"cvt\.rn\.bf16", plain))
+    assert rounded.count("add.s32") > plain.count("add.s32")

@@ -793,3 +793,47 @@ def test_qk_norms_in_one_launch_equal_two_in_the_interpreter():
     """kernels.qk_rms_norm (Qwen3's q and k norms over the packed q/k/v output, one launch) ==
     the two rms_norm launches, and one RoPE launch over its output == RoPE of q and of k."""
     _interpret(CHILD_QK, "interpreted qk norm OK")
+
+
+CHILD_COMBINE_ROUND = r'''
+import torch
+from kernels.triton import moe as TM
+
+torch.manual_seed(0)
+# one slot per token (k = 1, expert output 1.0): the combine's output is the weight as the kernel used it
+v = torch.cat([torch.randn(3000) * 10.0 ** torch.randint(-30, 30, (3000,)).float(),
+               1.0 + torch.arange(0, 2048).float() * 2.0 ** -9,   # every other one a tie, odd and even
+               torch.tensor([0.0, -0.0, 1e-40, -1e-41, 3.0e38, 3.39e38, -3.39e38, float("inf"), 2.0 ** -133])])
+ones = torch.ones(v.numel(), 1, 8)
+for wd in (torch.bfloat16, torch.float16):
+    got = TM.moe_combine(ones, v[:, None], out_dtype=torch.float32, weights_dtype=wd)[:, 0]
+    want = v.to(wd).float()
+    assert torch.equal(got, want), (wd, (got != want).nonzero()[:5].flatten().tolist())
+    # weights already in that dtype: read directly, no rounding (normal numbers: the interpreter reads a
+    # subnormal bf16 as 0, which the rounding path above does not depend on)
+    got = TM.moe_combine(ones, v[:, None].to(wd), out_dtype=torch.float32, weights_dtype=wd)[:, 0]
+    normal = (want == 0) | (want.abs() >= torch.finfo(wd).tiny)
+    assert torch.equal(got[normal], want[normal])
+# top-4 softmax weights over bf16 expert outputs, with a shared expert: the bits of rounding them first
+y, s = torch.randn(9, 4, 40).to(torch.bfloat16), torch.randn(9, 40).to(torch.bfloat16)
+w = torch.softmax(torch.randn(9, 4), -1)
+for shared in (None, s):
+    a = TM.moe_combine(y, w, shared, out_dtype=torch.bfloat16, weights_dtype=torch.bfloat16)
+    b = TM.moe_combine(y, w.to(torch.bfloat16), shared, out_dtype=torch.bfloat16)
+    assert torch.equal(a, b)
+    # bf16 weights are read as they are: the bits of widening them first
+    assert torch.equal(b, TM.moe_combine(y, w.to(torch.bfloat16).float(), shared, out_dtype=torch.bfloat16))
+try:
+    TM.moe_combine(y, w, weights_dtype=torch.int8)
+    raise AssertionError("int8 accepted")
+except ValueError as e:
+    assert "weights_dtype" in str(e)
+print("COMBINE ROUND OK")
+'''
+
+
+def test_combine_rounds_the_routing_weights_as_torch_does_in_the_interpreter():
+    """moe_combine(..., weights_dtype=bf16 / fp16): the routing weights rounded to that dtype in the
+    kernel are exactly ``topk_weights.to(dtype)`` (ties, subnormals, overflow to inf included), so the
+    aligned engine drops a conversion launch per MoE layer and keeps the learner's bits."""
+    _interpret(CHILD_COMBINE_ROUND, "COMBINE ROUND OK")

@@ -579,19 +579,22 @@ class RZAlignedForCausalLM(nn.Module):
         if c.family.router == "softmax":  # Qwen3-MoE
             logits = kernels.router_logits(x, m.gate.weight, out_dtype=x.dtype)
             ids, wts = kernels.route(logits, c.top_k, score="softmax", norm_topk_prob=c.norm_topk_prob)
-            wts = wts.to(x.dtype)  # as qwen3_dsv3.moe_qwen3
+            # the weights rounded to x.dtype as qwen3_dsv3.moe_qwen3 rounds them, in the combine
+            # kernel (weights_dtype) instead of a conversion launch per layer
+            round_to = x.dtype
             shared = None
         else:
             logits = kernels.router_logits(x, m.gate.weight, out_dtype=torch.float32)
             ids, wts = kernels.route(logits, c.top_k, score="sigmoid", expert_bias=m.gate.e_score_correction_bias,
                                      num_groups=c.n_group, group_topk=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                                      scaling_factor=c.routed_scaling_factor)
+            round_to = None  # DeepSeek: fp32 weights
             se = getattr(m, "shared_experts", None)
             shared = None if se is None else [self._fast_dense(se, x)]
         from kernels.triton.moe import moe_experts  # CUDA only; bitwise kernels.moe_experts
 
         return moe_experts(x, st["gate_proj"], st["up_proj"], st["down_proj"], ids, wts, shared,
-                           k_segments_down=kernels.ROW_PARALLEL_K_SEGMENTS)
+                           k_segments_down=kernels.ROW_PARALLEL_K_SEGMENTS, weights_dtype=round_to)
 
     def _rz_pack_check(self) -> None:
         """Re-point every packed parameter that no longer aliases its pack (a loader that replaced
