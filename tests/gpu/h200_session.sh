@@ -285,7 +285,7 @@ pack_out() {
   log "packed $n files of \$OUT into $(find "$OUT" -type f | wc -l) (a call returns at most 8 files)"
 }
 
-rc=0
-for st in "$@"; do run_stage "$st"; rc=$?; done
+rc=0  # the first stage that failed sets the exit status (a later stage that passes does not hide it)
+for st in "$@"; do run_stage "$st" || { s=$?; [ "$rc" -eq 0 ] && rc=$s; }; done
 if [ "${PACK_OUT:-1}" = 1 ]; then pack_out; fi
 exit $rc

@@ -69,3 +69,14 @@ def test_eight_files_or_pack_out_off_are_left_alone(tmp_path):
     files2 = _fill(out2, {"check": 9})
     assert _run(out2, PACK_OUT="0").returncode == 0
     assert _unpacked(out2) == files2 and not list(out2.glob("*.tgz"))
+
+
+def test_a_failed_stage_sets_the_exit_status_and_the_outputs_are_still_packed(tmp_path):
+    out = tmp_path / "out"
+    files = _fill(out, {"check": 6, "bench": 5})
+    r = subprocess.run(["bash", str(SCRIPT), "no_such_stage"], env={**os.environ, "OUT": str(out)}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    # (the failed stage's own folder, empty, travels as an archive too)
+    assert sorted(p.name for p in out.iterdir()) == ["bench.tgz", "check.tgz", "no_such_stage.tgz"]
+    assert {k: v for k, v in _unpacked(out).items() if k in files} == files
