@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
 import sys
 from functools import lru_cache
-from multiprocessing.connection import Connection
 
 from megatron_rz.recipe import RecipeError
+from megatron_rz.rl.worker_process import WorkerDied, WorkerLoadError, WorkerProcess, WorkerTimeout, serve
 
 BUILTIN_REWARDS = ("math_verify", "exact")
 STARTUP_TIMEOUT_S = 300.0  # the worker's python start and its reward module's imports (sympy: ~1 s)
@@ -96,27 +94,9 @@ class RewardWorker:
     def __init__(self, paths: list[str], timeout_s: float):
         self.paths, self.timeout_s = list(paths), float(timeout_s)
         self.errors = self.timeouts = 0
-        self._proc: subprocess.Popen | None = None
-        self._conn: Connection | None = None
+        self._process = WorkerProcess("megatron_rz.rl.rewards", self.paths, what="reward",
+                                      startup_timeout_s=STARTUP_TIMEOUT_S)
         self._printed = 0
-
-    def _start(self) -> None:
-        parent_r, child_w = os.pipe()
-        child_r, parent_w = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rz.rl.rewards", str(child_r), str(child_w), *self.paths],
-            pass_fds=(child_r, child_w), env=env, stdin=subprocess.DEVNULL)
-        os.close(child_r)
-        os.close(child_w)
-        self._conn = _Duplex(parent_r, parent_w)
-        if not self._conn.poll(STARTUP_TIMEOUT_S):
-            self.close()
-            raise RuntimeError(f"the reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
-        kind, detail = self._conn.recv()
-        if kind != "ready":
-            self.close()
-            raise RecipeError(f"task.reward: the reward worker could not load {self.paths}: {detail}")
 
     def _note(self, status: str, detail: str) -> None:
         if status == "error":
@@ -129,26 +109,15 @@ class RewardWorker:
             print(f"[rz] reward {status}, scored 0: {detail[:300]}{more}", file=sys.stderr, flush=True)
 
     def call(self, path: str, args: tuple) -> tuple[float, str | None]:
-        if self._proc is None or self._proc.poll() is not None:
-            self.close()
-            self._start()
         try:
-            self._conn.send((path, args))
-            ready = self._conn.poll(self.timeout_s)
-        except (BrokenPipeError, EOFError, OSError) as e:
-            self.close()
-            self._note("error", f"the reward worker died ({e})")
-            return 0.0, "error"
-        if not ready:
-            self.close()  # kills the call: a fresh worker takes the next one
+            kind, value = self._process.call((path, args), self.timeout_s, path)
+        except WorkerLoadError as e:
+            raise RecipeError(f"task.reward: the reward worker could not load {self.paths}: {e}") from None
+        except WorkerTimeout:
             self._note("timeout", f"{path} ran past task.reward_timeout_s={self.timeout_s:g} s")
             return 0.0, "timeout"
-        try:
-            kind, value = self._conn.recv()
-        except (EOFError, OSError):
-            code = self._proc.wait(timeout=5) if self._proc is not None else None
-            self.close()
-            self._note("error", f"the reward worker died during {path} (exit code {code})")
+        except WorkerDied as e:
+            self._note("error", str(e))
             return 0.0, "error"
         if kind == "ok":
             return value, None
@@ -156,23 +125,7 @@ class RewardWorker:
         return 0.0, "error"
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            self._proc = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        self._process.close()
 
 
 class GuardedReward:
@@ -203,29 +156,6 @@ class GuardedReward:
             self._worker = None
 
 
-class _Duplex:
-    """A Connection-like pair over two pipe ends (send on one, receive on the other)."""
-
-    def __init__(self, read_fd: int, write_fd: int):
-        self.r, self.w = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-
-    def send(self, obj) -> None:
-        self.w.send(obj)
-
-    def recv(self):
-        return self.r.recv()
-
-    def poll(self, timeout: float) -> bool:
-        return self.r.poll(timeout)
-
-    def close(self) -> None:
-        for c in (self.r, self.w):
-            try:
-                c.close()
-            except OSError:
-                pass
-
-
 def _as_reward(value) -> float:
     if isinstance(value, bool):
         return float(value)
@@ -234,28 +164,10 @@ def _as_reward(value) -> float:
     return float(value)
 
 
-def _serve(read_fd: int, write_fd: int, paths: list[str]) -> None:
-    conn = _Duplex(read_fd, write_fd)
-    fns = {}
-    try:
-        for p in paths:
-            fns[p] = resolve(p)
-    except Exception as e:  # noqa: BLE001 (reported to the parent, which names task.reward)
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            path, args = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        try:
-            fn = fns.get(path) or fns.setdefault(path, resolve(path))
-            out = ("ok", _as_reward(fn(*args)))
-        except BaseException as e:  # noqa: BLE001 (a reward that raises scores 0; the worker stays)
-            out = ("error", f"{type(e).__name__}: {str(e)[:500]}")
-        conn.send(out)
+def _score(fn, args: tuple) -> float:
+    return _as_reward(fn(*args))
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    # a reward that raises scores 0 and the worker stays
+    serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:], resolve, _score, error_chars=500)

@@ -20,11 +20,10 @@ Every status is counted (``counts``), the first few printed.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
-from multiprocessing.connection import Connection
 from typing import Callable
+
+from megatron_rz.rl.worker_process import WorkerDied, WorkerLoadError, WorkerProcess, WorkerTimeout, serve
 
 STARTUP_TIMEOUT_S = 120.0
 MAX_PRINTED = 3
@@ -58,29 +57,6 @@ def resolve(path: str) -> Callable:
     return fn
 
 
-class _Pipe:
-    """Send on one pipe end, receive on another."""
-
-    def __init__(self, read_fd: int, write_fd: int):
-        self.r, self.w = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-
-    def send(self, obj) -> None:
-        self.w.send(obj)
-
-    def recv(self):
-        return self.r.recv()
-
-    def poll(self, timeout: float) -> bool:
-        return self.r.poll(timeout)
-
-    def close(self) -> None:
-        for c in (self.r, self.w):
-            try:
-                c.close()
-            except OSError:
-                pass
-
-
 class ToolWorker:
     """``call(name, arg) -> (reply, status)``; status None, "error", "timeout" or "truncated".
 
@@ -92,27 +68,9 @@ class ToolWorker:
         self.timeout_s, self.max_chars = float(timeout_s), int(max_chars)
         self.counts = {s: 0 for s in STATUSES}
         self.calls = 0
-        self._proc: subprocess.Popen | None = None
-        self._conn: _Pipe | None = None
+        self._process = WorkerProcess("megatron_rz.rl.tools", [str(self.max_chars), *self.paths.values()],
+                                      what="tool", startup_timeout_s=STARTUP_TIMEOUT_S)
         self._printed = 0
-
-    def _start(self) -> None:
-        parent_r, child_w = os.pipe()
-        child_r, parent_w = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rz.rl.tools", str(child_r), str(child_w), str(self.max_chars),
-             *self.paths.values()], pass_fds=(child_r, child_w), env=env, stdin=subprocess.DEVNULL)
-        os.close(child_r)
-        os.close(child_w)
-        self._conn = _Pipe(parent_r, parent_w)
-        if not self._conn.poll(STARTUP_TIMEOUT_S):
-            self.close()
-            raise RuntimeError(f"the tool worker did not start within {STARTUP_TIMEOUT_S:g} s")
-        kind, detail = self._conn.recv()
-        if kind != "ready":
-            self.close()
-            raise ToolLoadError(f"the tool worker could not load {list(self.paths.values())}: {detail}")
 
     def _note(self, status: str, detail: str) -> None:
         self.counts[status] += 1
@@ -124,77 +82,36 @@ class ToolWorker:
     def call(self, name: str, arg: str) -> tuple[str, str | None]:
         path = self.paths[name]
         self.calls += 1
-        if self._proc is None or self._proc.poll() is not None:
-            self.close()
-            self._start()
         try:
-            self._conn.send((path, (arg,)))
-            ready = self._conn.poll(self.timeout_s)
-        except (BrokenPipeError, EOFError, OSError) as e:
-            self.close()
-            self._note("error", f"the tool worker died ({e})")
-            return f"error: the tool {name} crashed"[: self.max_chars], "error"
-        if not ready:
-            self.close()  # kills the call: a fresh worker takes the next one
+            kind, reply = self._process.call((path, (arg,)), self.timeout_s, name)
+        except WorkerLoadError as e:
+            raise ToolLoadError(f"the tool worker could not load {list(self.paths.values())}: {e}") from None
+        except WorkerTimeout:
             self._note("timeout", f"{name} ran past task.tool_timeout_s={self.timeout_s:g} s")
             return f"error: {name} timed out after {self.timeout_s:g} s"[: self.max_chars], "timeout"
-        try:
-            kind, text, cut = self._conn.recv()
-        except (EOFError, OSError, ValueError):
-            code = self._proc.wait(timeout=5) if self._proc is not None else None
-            self.close()
-            self._note("error", f"the tool worker died during {name} (exit code {code})")
+        except WorkerDied as e:
+            self._note("error", str(e))
             return f"error: the tool {name} crashed"[: self.max_chars], "error"
         if kind == "error":
-            self._note("error", f"{name}: {text}")
-            return f"error: {text}"[: self.max_chars], "error"
+            self._note("error", f"{name}: {reply}")
+            return f"error: {reply}"[: self.max_chars], "error"
+        text, cut = reply
         if cut:
             self._note("truncated", name)
             return text, "truncated"
         return text, None
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            self._proc = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        self._process.close()
 
 
 def _serve(read_fd: int, write_fd: int, max_chars: int, paths: list[str]) -> None:
-    conn = _Pipe(read_fd, write_fd)
-    fns = {}
-    try:
-        for p in paths:
-            fns[p] = resolve(p)
-    except Exception as e:  # noqa: BLE001 (reported to the parent)
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            path, args = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        try:
-            value = fns[path](*args)
-            text = value if isinstance(value, str) else str(value)
-            out = ("ok", text[:max_chars], len(text) > max_chars)
-        except BaseException as e:  # noqa: BLE001 (a tool that raises: its error is the reply)
-            out = ("error", f"{type(e).__name__}: {e}"[:max_chars], False)
-        conn.send(out)
+    def run(fn: Callable, args: tuple) -> tuple[str, bool]:
+        value = fn(*args)
+        text = value if isinstance(value, str) else str(value)
+        return text[:max_chars], len(text) > max_chars  # a huge output never crosses the pipe
+
+    serve(read_fd, write_fd, paths, resolve, run, error_chars=max_chars)  # a tool's error is its reply
 
 
 if __name__ == "__main__":
